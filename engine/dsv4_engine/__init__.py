@@ -1,0 +1,1 @@
+"""dsv4 engine: DeepSeek-V4 inference with paged DSV4 memory and PD disaggregation."""

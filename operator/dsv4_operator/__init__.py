@@ -1,0 +1,1 @@
+"""dsv4 operator: the Dsv4Deployment spec, its plan, and the drivers that realise it."""

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The test command: set up everything the suite needs, then run the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# Real Kubernetes tier: kube-apiserver and kube-controller-manager built once from Debian's source
+# package, cached outside the repo by version (skipped when DSV4_KUBE_* point at prebuilt ones).
+bash scripts/build-kube.sh
+source .venv/bin/activate
+export TORCH_DEVICE_BACKEND_AUTOLOAD=0
+ruff check .
+ruff format --check . || { echo "ruff format: run 'ruff format .'"; exit 1; }
+exec python -m pytest -q --durations=25 "$@"
