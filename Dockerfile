@@ -1,0 +1,56 @@
+# syntax=docker/dockerfile:1.7
+# Images for dsv4. Targets:
+#   operator       the kopf operator (no torch): `dsv4 operator`
+#   engine-cpu     the engine on CPU (tests, laptops): `dsv4 serve`, plus sglang-router for the router pods
+#   engine-ascend  the engine on Ascend NPUs (CANN base image with torch_npu); the default target
+# Build: docker build --target operator -t dsv4-operator:0.1.0 .
+#        docker build --target engine-ascend --build-arg CANN_IMAGE=... -t dsv4:0.1.0 .
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# The CANN base must match the NPU driver on the nodes; 910B and 910C (A3) images differ.
+ARG CANN_IMAGE=quay.io/ascend/cann:8.2.rc1-910b-ubuntu22.04-py3.11
+ARG TORCH_VERSION=2.14.0
+ARG TORCH_NPU_VERSION=2.14.0
+
+FROM ${PYTHON_IMAGE} AS operator
+ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY operator ./operator
+COPY engine ./engine
+RUN pip install ".[operator]" && rm -rf /src
+USER 65532:65532
+ENTRYPOINT ["dsv4", "operator"]
+
+FROM ${PYTHON_IMAGE} AS engine-cpu
+ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
+# Mooncake's transfer engine links libibverbs and libnuma even for its TCP transport.
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 libnuma1 \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY operator ./operator
+COPY engine ./engine
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
+    && pip install ".[engine]" "sglang-router==0.3.2" && rm -rf /src
+USER 65532:65532
+ENTRYPOINT ["dsv4"]
+CMD ["serve", "--help"]
+
+FROM ${CANN_IMAGE} AS engine-ascend
+ARG TORCH_VERSION
+ARG TORCH_NPU_VERSION
+ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 libnuma1 \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY operator ./operator
+COPY engine ./engine
+# torch_npu pins an exact torch; the engine extra's torch range is satisfied by it.
+RUN pip install "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}" \
+    && pip install --no-deps "mooncake-transfer-engine==0.3.13.post1" \
+    && pip install ".[engine]" "sglang-router==0.3.2" && rm -rf /src
+USER 65532:65532
+ENTRYPOINT ["dsv4"]
+CMD ["serve", "--help"]
