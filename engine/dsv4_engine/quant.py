@@ -1,0 +1,139 @@
+"""Dequantisation (and the inverse, for `make-tiny --quant fp8`) of DeepSeek-V4's released weight formats.
+
+Formats, as the released DeepSeek-V4 checkpoints store them (see docs/checkpoints.md):
+
+- FP8 block: `X.weight` is float8_e4m3fn `[O, I]`; `X.scale` is a ue8m0 (float8_e8m0fnu) grid
+  `[ceil(O/128), ceil(I/128)]`; the real weight is `weight * scale[r // 128, c // 128]`. DeepSeek-V3-style
+  checkpoints name the same grid `X.weight_scale_inv` and store it as float32.
+- FP4 experts: `X.weight` is int8 `[O, I/2]`, two e2m1 codes per byte, element `2j` in the low nibble of
+  byte `j` and element `2j+1` in the high nibble; `X.scale` is ue8m0 `[O, I/32]`, one power of two per
+  32 consecutive inputs of a row; the real weight is `e2m1(code) * scale[r, c // 32]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_BLOCK = (128, 128)
+FP4_GROUP = 32
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP4_MAX = 6.0  # largest e2m1 magnitude
+
+# e2m1 code -> value; bit 3 is the sign, bits 2..1 the exponent, bit 0 the mantissa.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """A scale tensor as float32: ue8m0 (float8_e8m0fnu, or raw uint8 exponents) or any float dtype."""
+    if scale.dtype == torch.uint8:  # raw biased exponents
+        return torch.exp2(scale.to(torch.float32) - 127.0)
+    return scale.to(torch.float32)
+
+
+def float_to_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Positive power-of-two float32 scales as float8_e8m0fnu (exact for powers of two)."""
+    exponent = torch.log2(scale.to(torch.float32)).round().clamp(-127, 127)
+    return (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    # smallest power of two >= x (x > 0); ue8m0 can only hold powers of two
+    return torch.exp2(torch.ceil(torch.log2(x)))
+
+
+def fp8_grid_shape(shape: tuple[int, int], block: tuple[int, int] = FP8_BLOCK) -> tuple[int, int]:
+    return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+
+
+def dequant_fp8_block(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] = FP8_BLOCK,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """`weight [O, I]` (float8) times its per-block `scale [ceil(O/bo), ceil(I/bi)]` grid."""
+    rows, cols = weight.shape
+    if tuple(scale.shape) != fp8_grid_shape((rows, cols), block):
+        raise ValueError(
+            f"fp8 scale grid {tuple(scale.shape)} does not match weight {(rows, cols)} with block {block}; "
+            f"expected {fp8_grid_shape((rows, cols), block)}"
+        )
+    s = scale_to_float(scale)
+    s = s.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return (weight.to(torch.float32) * s).to(dtype)
+
+
+def quant_fp8_block(
+    weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `dequant_fp8_block`: float8_e4m3fn weight and a ue8m0 scale grid (power of two per block)."""
+    rows, cols = weight.shape
+    grid = fp8_grid_shape((rows, cols), block)
+    w = weight.detach().to(torch.float32)
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:rows, :cols] = w
+    amax = padded.view(grid[0], block[0], grid[1], block[1]).abs().amax(dim=(1, 3))
+    scale = _pow2_ceil(amax.clamp(min=1e-30) / FP8_MAX)
+    full = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, float_to_ue8m0(scale)
+
+
+def _byte_table() -> torch.Tensor:
+    # byte -> its (low nibble, high nibble) values: one gather per byte instead of two plus a stack
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    codes = torch.arange(256)
+    return torch.stack((table[codes & 0xF], table[codes >> 4]), dim=-1)
+
+
+_BYTE_TABLE = _byte_table()
+# midpoints between consecutive e2m1 magnitudes; a tie goes to the smaller magnitude
+_E2M1_EDGES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """`[..., N]` bytes holding two e2m1 codes each -> float32 `[..., 2N]` (low nibble first)."""
+    fp4_x2 = getattr(torch, "float4_e2m1fn_x2", None)
+    if fp4_x2 is not None and packed.dtype == fp4_x2:
+        packed = packed.view(torch.uint8)
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"packed fp4 weights must be int8/uint8, got {packed.dtype}")
+    codes = packed.contiguous().view(torch.uint8).flatten().to(torch.int64)
+    return _BYTE_TABLE.index_select(0, codes).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes `[..., 2N]` (0..15) -> int8 `[..., N]`, element 2j in the low nibble."""
+    c = codes.to(torch.uint8)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).view(torch.int8)
+
+
+def dequant_fp4(
+    packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Packed e2m1 `[O, I/2]` times its per-group ue8m0 `scale [O, I/group]`."""
+    values = unpack_fp4(packed)
+    rows, cols = values.shape
+    if cols % group or tuple(scale.shape) != (rows, cols // group):
+        raise ValueError(
+            f"fp4 scale {tuple(scale.shape)} does not match weight {(rows, cols)} with group {group}; "
+            f"expected {(rows, cols // group)}"
+        )
+    grouped = values.view(rows, cols // group, group) * scale_to_float(scale).unsqueeze(-1)
+    return grouped.view(rows, cols).to(dtype)
+
+
+def quant_fp4(weight: torch.Tensor, group: int = FP4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `dequant_fp4`: nearest e2m1 code per element, power-of-two scale per group."""
+    rows, cols = weight.shape
+    if cols % group:
+        raise ValueError(f"fp4 needs the input dim ({cols}) to be a multiple of {group}")
+    w = weight.detach().to(torch.float32).view(rows, cols // group, group)
+    scale = _pow2_ceil(w.abs().amax(dim=-1).clamp(min=1e-30) / FP4_MAX)
+    scaled = (w / scale.unsqueeze(-1)).reshape(rows, cols)
+    absolute = scaled.abs()
+    magnitude = torch.zeros(absolute.shape, dtype=torch.int64)
+    for edge in _E2M1_EDGES.tolist():  # code of the nearest magnitude = number of midpoints below
+        magnitude += absolute > edge
+    codes = magnitude | ((scaled < 0).to(torch.int64) << 3)
+    return pack_fp4(codes), float_to_ue8m0(scale)

@@ -1,0 +1,127 @@
+"""The tiny checkpoints' tokenizer: byte-level BPE trained offline on a corpus bundled here.
+
+Byte-level, so any UTF-8 text round-trips (CJK, emoji, accents). The special tokens and the chat
+template follow DeepSeek's: `<｜begin▁of▁sentence｜>` (id 0, added in front of every encoding),
+`<｜end▁of▁sentence｜>` (id 1), `<｜User｜>`, `<｜Assistant｜>`. Training is deterministic: the corpus is
+fixed text plus sentences drawn from fixed word lists with a fixed seed, independent of the model's seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+PAD = "<｜▁pad▁｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK = "<think>"
+END_THINK = "</think>"
+SPECIAL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT, THINK, END_THINK)
+
+# DeepSeek-style roles: system text right after BOS, then User/Assistant turns; an assistant turn ends with EOS.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{ message['content'] }}"
+    "{%- elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + eos_token }}"
+    "{%- else %}{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}{%- endif %}"
+)
+
+_TEXT = """\
+The engine serves a mixture-of-experts language model. Each request is split into a prefill, which reads
+the whole prompt at once, and a decode, which produces one token at a time. Prefill is compute bound;
+decode is memory bound, so the two run on different servers and the key-value cache moves between them.
+Attention in this model has three kinds of layers. Sliding-window layers see the last few tokens only.
+Compressed layers also see one summary row for every four tokens, chosen by a small indexer, or one row
+for every hundred and twenty-eight tokens, all of them. A hyper-connection keeps four residual streams
+and mixes them with a doubly stochastic matrix found by Sinkhorn iterations.
+Experts are small feed-forward networks; a router scores them, adds a correction bias for balance, and
+keeps the best few. The first layers route by a fixed hash of the token id instead.
+Weights ship in eight-bit floating point with one scale per block of 128 by 128 values, and experts in
+four-bit floating point with one power-of-two scale per 32 values. The loader turns them back into
+ordinary floats on the CPU before the model runs.
+def load(path):
+    with open(path, "rb") as f:
+        return f.read()
+for i in range(10):
+    print(i, i * i, {"key": [1, 2, 3]})
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 128 256 512 1024 3.14159 2.71828 -1 +1 1e-6 0x1F.
+Bonjour, ça va ? Très bien, merci. Où est la gare ? Äpfel, Öl und Übermut; niño, señor, canción.
+你好，世界。今天天气很好，我们去公园散步吧。模型在服务器上运行。
+こんにちは、世界。日本語のテキストもバイト単位で扱えます。
+Привет, мир! Как дела? Всё хорошо.
+Emoji work too: 🙂 🚀 🌍 ✨ — and symbols like €, £, ¥, °, ±, ×, ÷, →, ≤, ≥.
+"""
+
+_WORD_TEXT = (
+    "the a model token server request prompt cache page layer expert router score bias window stride "
+    "compress index head query key value stream mix sum norm scale block weight float bit byte tensor "
+    "shard file load write read fast slow small large first last next every each some many one two "
+    "three four runs keeps moves sees finds turns adds chooses reads writes serves splits returns "
+    "quickly slowly often never always again together apart inside outside before after during"
+)
+
+
+def corpus() -> list[str]:
+    """The training text: the fixed paragraphs, then sentences drawn from `_WORD_TEXT` with a fixed seed."""
+    rng = random.Random(20240601)
+    vocabulary = _WORD_TEXT.split()
+    lines = _TEXT.splitlines()
+    for _ in range(600):
+        words = [rng.choice(vocabulary) for _ in range(rng.randint(4, 14))]
+        lines.append(" ".join(words).capitalize() + rng.choice(".!?;,"))
+    return lines
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    """Train the byte-level BPE with exactly `vocab_size` tokens (specials first, ids 0..6)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(
+            f"the bundled corpus yields {tok.get_vocab_size()} tokens, not the {vocab_size} asked for"
+        )
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return tok
+
+
+def write_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int) -> None:
+    """tokenizer.json + tokenizer_config.json (+ special_tokens_map.json) that AutoTokenizer loads offline."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(vocab_size),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[USER, ASSISTANT, THINK, END_THINK],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(str(out_dir))
+    # transformers 5 keeps the template in chat_template.jinja; other readers look in tokenizer_config.json
+    config_file = Path(out_dir) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n")

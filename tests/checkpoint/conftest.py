@@ -1,0 +1,57 @@
+"""Checkpoints shared by the checkpoint tests: written once per session (make-tiny takes seconds)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here must work without a network
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    # The shared 2-core machine is oversubscribed; torch's intra-op threads then spin and make
+    # small ops many times slower. One thread keeps these tiny models fast; restored afterwards.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dsv4_engine.make_tiny import make_tiny
+
+    with one_thread():
+        return make_tiny(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dsv4_engine.make_tiny import make_tiny
+
+    with one_thread():
+        return make_tiny(tmp_path_factory.mktemp("tiny_fp8") / "ckpt", seed=0, quant="fp8")
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_ckpt: Path):
+    """HF transformers' own model, loaded by HF from the tiny checkpoint (the independent reference)."""
+    from transformers import AutoModelForCausalLM
+
+    with one_thread():
+        return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
