@@ -1,0 +1,239 @@
+"""spec -> plan: the roles, their names, labels, ports and command lines, independent of how they are
+realised (Kubernetes objects in manifests.py, local processes in the launcher).
+
+The command lines are built by `serve_args` and `router_args`, which take the host-specific values
+(model path, ports, how the router finds its servers) as parameters, so both drivers share them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from dsv4_operator.fingerprint import deployment_fingerprint
+from dsv4_operator.spec import Dsv4Deployment
+
+Role = Literal["prefill", "decode", "router"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "router")
+
+# Label keys (contract: docs/HELPERS.md).
+L_NAME = "app.kubernetes.io/name"
+L_INSTANCE = "app.kubernetes.io/instance"
+L_COMPONENT = "app.kubernetes.io/component"
+L_MANAGED_BY = "app.kubernetes.io/managed-by"
+L_DEPLOYMENT = "dsv4.ai/deployment"
+L_ROLE = "dsv4.ai/role"
+L_FINGERPRINT = "dsv4.ai/fingerprint"
+A_BOOTSTRAP_PORT = "sglang.ai/bootstrap-port"  # read by sglang-router 0.3.2 (hard-coded there)
+APP = "dsv4"
+MANAGER = "dsv4-operator"
+
+MODEL_MOUNT = "/models"
+CONFIG_MOUNT = "/etc/dsv4"
+PROBE_PERIOD_SECONDS = 10
+ROUTER_COMMAND = ("python3", "-m", "sglang_router.launch_router")
+SERVE_COMMAND = ("dsv4", "serve")
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    role: Role
+    name: str  # of the role's workload, headless Service and PDB: <deployment>-<role>-<fingerprint>
+    replicas: int
+    selector: dict[str, str]  # immutable workload selector; the router discovers servers by it
+    labels: dict[str, str]  # pod and object labels (selector plus descriptive ones)
+    ports: dict[str, int]
+    command: tuple[str, ...]
+    args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    namespace: str
+    fingerprint: str
+    serving_fingerprint: str
+    model_path: str  # inside the containers
+    prefill: RolePlan
+    decode: RolePlan
+    router: RolePlan
+    endpoint_service: str
+    endpoint_port: int
+    config_map: str
+    router_account: str
+    network_policy: str
+    startup_failure_threshold: int
+
+    def role(self, role: Role) -> RolePlan:
+        return {"prefill": self.prefill, "decode": self.decode, "router": self.router}[role]
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.endpoint_service}.{self.namespace}.svc:{self.endpoint_port}/v1"
+
+    def selector_string(self, role: Role) -> str:
+        """The role's selector as a label-selector string (for status.<role>.selector / scale)."""
+        return ",".join(f"{k}={v}" for k, v in sorted(self.role(role).selector.items()))
+
+
+def common_labels(name: str) -> dict[str, str]:
+    return {L_NAME: APP, L_INSTANCE: name, L_MANAGED_BY: MANAGER, L_DEPLOYMENT: name}
+
+
+def role_selector(name: str, role: Role, fingerprint: str) -> dict[str, str]:
+    return {L_NAME: APP, L_DEPLOYMENT: name, L_ROLE: role, L_FINGERPRINT: fingerprint}
+
+
+def model_path(dep: Dsv4Deployment) -> str:
+    model = dep.spec.model
+    if model.pvc is not None:
+        return f"{MODEL_MOUNT}/{model.pvc.path}" if model.pvc.path else MODEL_MOUNT
+    if model.host_path is not None:
+        return MODEL_MOUNT
+    assert model.image is not None  # parse() guarantees exactly one source
+    return model.image.path
+
+
+def serve_args(
+    dep: Dsv4Deployment,
+    role: Literal["prefill", "decode"],
+    *,
+    model: str,
+    host: str,
+    port: int,
+    bootstrap_port: int,
+) -> list[str]:
+    """Arguments of `dsv4 serve` for one server of `role` (flag names: the engine's contract)."""
+    eng, rs = dep.spec.engine, getattr(dep.spec, role)
+    args = [
+        "--model", model,
+        "--served-model-name", dep.spec.model.served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--device", eng.device,
+        "--dtype", eng.dtype,
+        "--page-size", str(eng.page_size),
+        "--max-model-len", str(eng.max_model_len),
+        "--chunked-prefill-size", str(eng.chunked_prefill_size),
+        "--max-num-seqs", str(eng.max_num_seqs),
+        "--max-waiting", str(eng.max_waiting),
+        "--grace-period", str(eng.grace_period_seconds),
+        "--disaggregation-mode", role,
+        "--transfer-protocol", eng.transfer_protocol,
+        "--tp-size", str(rs.tensor_parallel_size),
+        "--ep-size", str(rs.expert_parallel_size),
+    ]  # fmt: skip
+    if role == "prefill":
+        args += ["--bootstrap-port", str(bootstrap_port)]
+    return args
+
+
+def router_policy_args(dep: Dsv4Deployment) -> list[str]:
+    r = dep.spec.router
+    return ["--pd-disaggregation", "--prefill-policy", r.prefill_policy, "--decode-policy", r.decode_policy]
+
+
+def router_args(
+    dep: Dsv4Deployment,
+    *,
+    port: int,
+    tokenizer_path: str,
+    discovery: list[str],
+    api_key: str | None,
+    startup_timeout_seconds: int,
+) -> list[str]:
+    """Arguments of sglang-router 0.3.2's launch_router. `discovery` says how servers are found:
+    service-discovery flags on Kubernetes, `--prefill URL PORT --decode URL` locally."""
+    r = dep.spec.router
+    args = [
+        "--host", "0.0.0.0",
+        "--port", str(port),
+        *router_policy_args(dep),
+        *discovery,
+        "--tokenizer-path", tokenizer_path,
+        "--worker-startup-timeout-secs", str(startup_timeout_seconds),
+        "--request-timeout-secs", str(r.request_timeout_seconds),
+        "--health-check-endpoint", "/health",
+        "--prometheus-host", "0.0.0.0",
+        "--prometheus-port", str(r.metrics_port),
+        "--log-level", "info",
+    ]  # fmt: skip
+    if api_key is not None:
+        args += ["--api-key", api_key]
+    return args
+
+
+def _selector_args(flag: str, selector: dict[str, str]) -> list[str]:
+    return [flag, *(f"{k}={v}" for k, v in sorted(selector.items()))]
+
+
+def plan(
+    dep: Dsv4Deployment, *, serving_fingerprint: str | None = None, namespace: str | None = None
+) -> Plan:
+    spec, name = dep.spec, dep.metadata.name
+    ns = namespace or dep.metadata.namespace or "default"
+    fp = deployment_fingerprint(dep)
+    path = model_path(dep)
+    eng = spec.engine
+    roles: dict[Role, RolePlan] = {}
+    for role in ("prefill", "decode"):
+        sel = role_selector(name, role, fp)
+        ports = {"http": eng.port} | ({"bootstrap": eng.bootstrap_port} if role == "prefill" else {})
+        args = serve_args(
+            dep, role, model=path, host="0.0.0.0", port=eng.port, bootstrap_port=eng.bootstrap_port
+        )
+        roles[role] = RolePlan(
+            role=role,
+            name=f"{name}-{role}-{fp}",
+            replicas=getattr(spec, role).replicas,
+            selector=sel,
+            labels=common_labels(name) | {L_COMPONENT: role} | sel,
+            ports=ports,
+            command=SERVE_COMMAND,
+            args=tuple(args),
+        )
+    # Kubernetes substitutes $(VAR) in args from the container's env: no namespace or key is baked in.
+    discovery = [
+        "--service-discovery",
+        "--service-discovery-namespace", "$(POD_NAMESPACE)",
+        "--service-discovery-port", str(eng.port),
+        *_selector_args("--prefill-selector", roles["prefill"].selector),
+        *_selector_args("--decode-selector", roles["decode"].selector),
+    ]  # fmt: skip
+    r_sel = role_selector(name, "router", fp)
+    roles["router"] = RolePlan(
+        role="router",
+        name=f"{name}-router-{fp}",
+        replicas=spec.router.replicas,
+        selector=r_sel,
+        labels=common_labels(name) | {L_COMPONENT: "router"} | r_sel,
+        ports={"http": spec.router.port, "metrics": spec.router.metrics_port},
+        command=ROUTER_COMMAND,
+        args=tuple(
+            router_args(
+                dep,
+                port=spec.router.port,
+                tokenizer_path=path,
+                discovery=discovery,
+                api_key="$(DSV4_API_KEY)" if spec.api_key_secret else None,
+                startup_timeout_seconds=spec.probes.startup_timeout_seconds,
+            )
+        ),
+    )
+    return Plan(
+        name=name,
+        namespace=ns,
+        fingerprint=fp,
+        serving_fingerprint=serving_fingerprint or fp,
+        model_path=path,
+        prefill=roles["prefill"],
+        decode=roles["decode"],
+        router=roles["router"],
+        endpoint_service=name,
+        endpoint_port=spec.service.port,
+        config_map=f"{name}-engine-{fp}",
+        router_account=f"{name}-router",
+        network_policy=f"{name}-workers",
+        startup_failure_threshold=math.ceil(spec.probes.startup_timeout_seconds / PROBE_PERIOD_SECONDS),
+    )

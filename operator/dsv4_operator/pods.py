@@ -1,0 +1,218 @@
+"""Pod templates: the prefill/decode StatefulSets and the router Deployment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsv4_operator.plan import (
+    A_BOOTSTRAP_PORT,
+    CONFIG_MOUNT,
+    MODEL_MOUNT,
+    PROBE_PERIOD_SECONDS,
+    Plan,
+    RolePlan,
+)
+from dsv4_operator.spec import Dsv4Deployment, Resources, RoleSpec, RouterSpec
+
+Obj = dict[str, Any]
+
+
+def _field_env(name: str, path: str) -> Obj:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _pod_security(dep: Dsv4Deployment) -> Obj:
+    ps = dep.spec.pod_security
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": ps.run_as_user,
+        "runAsGroup": ps.run_as_group,
+        "fsGroup": ps.fs_group,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security(read_only_root: bool) -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": read_only_root,
+    }
+
+
+def _model_volume(dep: Dsv4Deployment) -> list[Obj]:
+    model = dep.spec.model
+    if model.pvc is not None:
+        return [
+            {"name": "model", "persistentVolumeClaim": {"claimName": model.pvc.claim_name, "readOnly": True}}
+        ]
+    if model.host_path is not None:
+        return [{"name": "model", "hostPath": {"path": model.host_path.path, "type": "Directory"}}]
+    return []  # baked into the image
+
+
+def _model_mount(dep: Dsv4Deployment) -> list[Obj]:
+    return [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}] if _model_volume(dep) else []
+
+
+def _http_probe(path: str, period: int, timeout: int, failures: int) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def _resources(resources: Resources | None, npus: int = 0, npu_name: str = "") -> Obj:
+    res = resources.model_dump(by_alias=True, exclude_none=True) if resources else {}
+    if npus:  # extended resources: requests must equal limits
+        res = {k: {**res.get(k, {}), npu_name: npus} for k in ("requests", "limits")}
+    return {k: dict(sorted(v.items())) for k, v in sorted(res.items())}
+
+
+def _placement(role: RoleSpec | RouterSpec) -> Obj:
+    out: Obj = {}
+    if role.node_selector:
+        out["nodeSelector"] = dict(sorted(role.node_selector.items()))
+    if role.tolerations:
+        out["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in role.tolerations]
+    if getattr(role, "affinity", None):
+        out["affinity"] = role.affinity
+    if getattr(role, "priority_class_name", None):
+        out["priorityClassName"] = role.priority_class_name
+    return out
+
+
+def _pull_secrets(dep: Dsv4Deployment) -> Obj:
+    secrets = dep.spec.image_pull_secrets or []
+    return {"imagePullSecrets": [{"name": s.name} for s in secrets]} if secrets else {}
+
+
+def worker_statefulset(dep: Dsv4Deployment, p: Plan, rp: RolePlan, meta: Obj) -> Obj:
+    spec, eng = dep.spec, dep.spec.engine
+    role: RoleSpec = getattr(spec, rp.role)
+    npu = eng.device != "cpu"
+    asc = spec.ascend
+    env = [
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_IP", "status.podIP"),
+        {"name": "DSV4_ROLE", "value": rp.role},
+    ]
+    if eng.device == "npu":
+        env += [
+            _field_env("HCCL_IF_IP", "status.podIP"),
+            {"name": "HCCL_SOCKET_IFNAME", "value": asc.hccl_socket_ifname},
+        ]
+    env += [{"name": e.name, "value": e.value or ""} for e in eng.env or []]
+    volumes: list[Obj] = [
+        *_model_volume(dep),
+        {"name": "engine-config", "configMap": {"name": p.config_map}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": role.shared_memory_size}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[Obj] = [
+        *_model_mount(dep),
+        {"name": "engine-config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if eng.device == "npu" and asc.mount_hccn_conf:
+        volumes.append({"name": "hccn-conf", "hostPath": {"path": asc.hccn_conf_path, "type": "File"}})
+        mounts.append({"name": "hccn-conf", "mountPath": asc.hccn_conf_path, "readOnly": True})
+    if eng.device == "npu" and asc.mount_driver:
+        volumes.append({"name": "ascend-driver", "hostPath": {"path": asc.driver_path, "type": "Directory"}})
+        mounts.append({"name": "ascend-driver", "mountPath": asc.driver_path, "readOnly": True})
+    annotations = dict(sorted((spec.pod_annotations or {}).items()))
+    if rp.role == "prefill":
+        annotations[A_BOOTSTRAP_PORT] = str(eng.bootstrap_port)
+    container: Obj = {
+        "name": "engine",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": list(rp.command),
+        "args": list(rp.args),
+        "ports": [{"name": k, "containerPort": v, "protocol": "TCP"} for k, v in rp.ports.items()],
+        "env": env,
+        "resources": _resources(role.resources, role.npus_per_pod if npu else 0, role.npu_resource_name),
+        "volumeMounts": mounts,
+        # Model loads take many minutes: only the startup probe waits that long.
+        "startupProbe": _http_probe("/health", PROBE_PERIOD_SECONDS, 5, p.startup_failure_threshold),
+        "readinessProbe": _http_probe("/health", PROBE_PERIOD_SECONDS, 5, 3),
+        "livenessProbe": _http_probe("/health", 30, 10, 5),
+        # CANN writes kernel caches and logs under the working and home directories.
+        "securityContext": _container_security(read_only_root=False),
+    }
+    pod_spec: Obj = {
+        "automountServiceAccountToken": False,  # servers never talk to the API
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": eng.grace_period_seconds + 30,
+        "securityContext": _pod_security(dep),
+        **_pull_secrets(dep),
+        **_placement(role),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta,
+        "spec": {
+            "serviceName": rp.name,
+            "replicas": rp.replicas,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": rp.selector},
+            "template": {
+                "metadata": {"labels": rp.labels, **({"annotations": annotations} if annotations else {})},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def router_deployment(dep: Dsv4Deployment, p: Plan, meta: Obj) -> Obj:
+    spec, rp = dep.spec, p.router
+    env = [_field_env("POD_NAMESPACE", "metadata.namespace")]
+    if spec.api_key_secret:
+        ref = {"name": spec.api_key_secret.name, "key": spec.api_key_secret.key}
+        env.append({"name": "DSV4_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+    container: Obj = {
+        "name": "router",
+        "image": spec.router.image or spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": list(rp.command),
+        "args": list(rp.args),
+        "ports": [{"name": k, "containerPort": v, "protocol": "TCP"} for k, v in rp.ports.items()],
+        "env": env,
+        "resources": _resources(spec.router.resources),
+        "volumeMounts": [*_model_mount(dep), {"name": "tmp", "mountPath": "/tmp"}],
+        # /readiness answers 503 until the router has healthy servers: the endpoint only lists
+        # routers that can serve.
+        "readinessProbe": _http_probe("/readiness", 5, 5, 3),
+        "livenessProbe": _http_probe("/liveness", 10, 5, 6),
+        "securityContext": _container_security(read_only_root=True),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta,
+        "spec": {
+            "replicas": rp.replicas,
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "selector": {"matchLabels": rp.selector},
+            "template": {
+                "metadata": {"labels": rp.labels},
+                "spec": {
+                    "serviceAccountName": p.router_account,
+                    "enableServiceLinks": False,
+                    "securityContext": _pod_security(dep),
+                    **_pull_secrets(dep),
+                    **_placement(spec.router),
+                    "containers": [container],
+                    "volumes": [*_model_volume(dep), {"name": "tmp", "emptyDir": {}}],
+                },
+            },
+        },
+    }
