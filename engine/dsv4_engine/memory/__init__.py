@@ -1,0 +1,36 @@
+"""Paged DSV4 memory: pools, request tables, allocator, PD components and payloads."""
+
+from .allocator import Dsv4Allocator, DSV4OutCacheLoc, ExtendSpec
+from .layout import STATE_TYPE_ORDER, Dsv4MemoryLayout, StateType
+from .page_pool import OutOfPages, PagePool
+from .payloads import dsv4_state_payloads
+from .pools import Dsv4TokenToKVPool, StateComponent
+from .req_to_token import (
+    DecodeReqToTokenPool,
+    Dsv4DecodeReqToTokenPool,
+    Dsv4ReqToTokenPool,
+    Dsv4ReqToTokenTablesMixin,
+    ReqToTokenPool,
+)
+from .sizing import PoolSizes, plan_pool_sizes
+
+__all__ = [
+    "STATE_TYPE_ORDER",
+    "DSV4OutCacheLoc",
+    "DecodeReqToTokenPool",
+    "Dsv4Allocator",
+    "Dsv4DecodeReqToTokenPool",
+    "Dsv4MemoryLayout",
+    "Dsv4ReqToTokenPool",
+    "Dsv4ReqToTokenTablesMixin",
+    "Dsv4TokenToKVPool",
+    "ExtendSpec",
+    "OutOfPages",
+    "PagePool",
+    "PoolSizes",
+    "ReqToTokenPool",
+    "StateComponent",
+    "StateType",
+    "dsv4_state_payloads",
+    "plan_pool_sizes",
+]

@@ -1,0 +1,279 @@
+"""The DSV4 allocator: every location a step needs, in one bundle, from four page families.
+
+Families (page ids, each with sentinel page 0):
+  full  - addresses the C4 KV, indexer KV and C128 KV pools (held for the request's whole life)
+  swa   - the sliding-window KV pool (pages behind the window are released)
+  c4s   - C4 compressor state (attention + indexer), only the state tail is held
+  c128s - C128 compressor state, only the state tail is held
+
+A step is `prefix_len -> seq_len` for one request: chunked prefill, a whole prompt, or one decode
+token (prefix_len = seq_len - 1). Only what the step adds is allocated (prefix-aware).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import Dsv4MemoryLayout
+from .page_pool import OutOfPages, PagePool
+from .req_to_token import Dsv4ReqPool
+from .sizing import PoolSizes
+from .state_tail import cdiv, state_alloc_offset, state_keep_from, swa_keep_from, swa_window_start
+
+FAMILIES = ("full", "swa", "c4s", "c128s")
+
+
+@dataclass(frozen=True)
+class ExtendSpec:
+    req_idx: int
+    prefix_len: int
+    seq_len: int
+
+
+@dataclass
+class DSV4OutCacheLoc:
+    """Slots a step writes, concatenated over the batch in request order (int64).
+
+    out_full_loc / out_swa_loc: one per new token (positions prefix..seq-1).
+    out_c4_loc / out_c128_loc: one per compressed block the step completes (blocks prefix//r ..
+      seq//r - 1); the C4 slot is also the indexer slot.
+    out_c4_state_loc / out_c128_state_loc: one per position whose compressor state the step leaves
+      behind (positions max(prefix, state_alloc_offset(seq)) .. seq-1).
+    The *_counts lists split each tensor by request.
+    """
+
+    out_full_loc: torch.Tensor
+    out_swa_loc: torch.Tensor
+    out_c4_loc: torch.Tensor
+    out_c128_loc: torch.Tensor
+    out_c4_state_loc: torch.Tensor
+    out_c128_state_loc: torch.Tensor
+    extend_counts: list[int] = field(default_factory=list)
+    c4_counts: list[int] = field(default_factory=list)
+    c128_counts: list[int] = field(default_factory=list)
+    c4_state_counts: list[int] = field(default_factory=list)
+    c128_state_counts: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _ReqPages:
+    seq_len: int = 0
+    full: list[int] = field(default_factory=list)  # page index k -> page, for positions [kP, (k+1)P)
+    swa: dict[int, int] = field(default_factory=dict)  # page index -> swa page (window only)
+    c4s: dict[int, int] = field(default_factory=dict)  # page index -> c4 state page (tail only)
+    c128s: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Plan:
+    """What a step frees and allocates, computed before anything changes (so a step is atomic)."""
+
+    free: dict[str, list[tuple[int, int]]]  # family -> [(page index, page)]
+    need: dict[str, list[int]]  # family -> page indices to allocate
+
+
+class Dsv4Allocator:
+    def __init__(self, layout: Dsv4MemoryLayout, sizes: PoolSizes, req_pool: Dsv4ReqPool) -> None:
+        self.layout = layout
+        self.page_size = layout.page_size
+        self.req_pool = req_pool
+        self.max_ctx = req_pool.max_context_len
+        has_c4, has_c128 = bool(layout.c4_layers), bool(layout.c128_layers)
+        self.pools = {
+            "full": PagePool("full", sizes.full_pages),
+            "swa": PagePool("swa", sizes.swa_pages),
+            "c4s": PagePool("c4_state", sizes.c4_state_pages if has_c4 else 0),
+            "c128s": PagePool("c128_state", sizes.c128_state_pages if has_c128 else 0),
+        }
+        self._state_ratio = {"c4s": 4, "c128s": 128}
+        self._active = {"c4s": has_c4, "c128s": has_c128}
+        self._reqs: dict[int, _ReqPages] = {}
+        req_pool.register_dsv4_allocator(self)
+
+    # ---- queries -------------------------------------------------------------------------------
+    def seq_len(self, req_idx: int) -> int:
+        r = self._reqs.get(req_idx)
+        return r.seq_len if r else 0
+
+    def held_pages(self, req_idx: int) -> dict[str, int]:
+        r = self._reqs.get(req_idx, _ReqPages())
+        return {"full": len(r.full), "swa": len(r.swa), "c4s": len(r.c4s), "c128s": len(r.c128s)}
+
+    def num_free(self) -> dict[str, int]:
+        return {name: pool.num_free for name, pool in self.pools.items()}
+
+    def usage(self) -> dict[str, float]:
+        return {name: pool.usage() for name, pool in self.pools.items()}
+
+    # ---- planning ------------------------------------------------------------------------------
+    def _pages_in(self, lo: int, hi: int) -> range:
+        p = self.page_size
+        return range(lo // p, cdiv(hi, p)) if hi > lo else range(0)
+
+    def _plan(self, spec: ExtendSpec) -> _Plan:
+        r = self._reqs.get(spec.req_idx, _ReqPages())
+        if spec.prefix_len != r.seq_len:
+            raise ValueError(
+                f"request {spec.req_idx}: prefix_len {spec.prefix_len} != allocated length {r.seq_len}"
+            )
+        if not spec.prefix_len < spec.seq_len <= self.max_ctx:
+            raise ValueError(f"request {spec.req_idx}: need prefix < seq <= {self.max_ctx}, got {spec}")
+        p, prefix, seq = self.page_size, spec.prefix_len, spec.seq_len
+        free: dict[str, list[tuple[int, int]]] = {f: [] for f in FAMILIES}
+        need: dict[str, list[int]] = {f: [] for f in FAMILIES}
+        need["full"] = list(range(len(r.full), cdiv(seq, p)))
+        # SWA: pages wholly behind what this step can still see are released.
+        keep = swa_keep_from(prefix, self.layout.window)
+        free["swa"] = [(k, pg) for k, pg in r.swa.items() if (k + 1) * p <= keep]
+        need["swa"] = [k for k in self._pages_in(prefix, seq) if k not in r.swa]
+        for fam, ratio in self._state_ratio.items():
+            if not self._active[fam]:
+                continue
+            held: dict[int, int] = getattr(r, fam)
+            keep = state_keep_from(ratio, prefix, seq)
+            free[fam] = [(k, pg) for k, pg in held.items() if (k + 1) * p <= keep]
+            lo = state_alloc_offset(ratio, seq)
+            for k in self._pages_in(lo, seq):
+                if k in held:
+                    continue
+                if max(lo, k * p) < prefix:  # state written by earlier steps must still be resident
+                    raise AssertionError(f"request {spec.req_idx}: {fam} state page {k} lost before use")
+                need[fam].append(k)
+        return _Plan(free=free, need=need)
+
+    def pages_needed(self, specs: Sequence[ExtendSpec]) -> dict[str, int]:
+        """Net pages per family a batch step takes (allocations minus releases)."""
+        totals = dict.fromkeys(FAMILIES, 0)
+        for spec in specs:
+            plan = self._plan(spec)
+            for fam in FAMILIES:
+                totals[fam] += len(plan.need[fam]) - len(plan.free[fam])
+        return totals
+
+    def can_alloc(self, specs: Sequence[ExtendSpec]) -> bool:
+        needed = self.pages_needed(specs)
+        return all(needed[f] <= self.pools[f].num_free for f in FAMILIES)
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def alloc_extend(self, specs: Sequence[ExtendSpec]) -> DSV4OutCacheLoc:
+        """Allocate one step for a batch; raises OutOfPages and changes nothing if a pool is short."""
+        if len({s.req_idx for s in specs}) != len(specs):
+            raise ValueError("a request may appear once per step")
+        plans = [self._plan(s) for s in specs]
+        for fam in FAMILIES:
+            net = sum(len(pl.need[fam]) - len(pl.free[fam]) for pl in plans)
+            if net > self.pools[fam].num_free:
+                raise OutOfPages(f"{fam} pool: step needs {net} more pages, {self.pools[fam].num_free} free")
+        for spec, plan in zip(specs, plans, strict=True):
+            self._apply(spec, plan)
+        return self._bundle(specs)
+
+    def alloc_decode(self, req_indices: Sequence[int]) -> DSV4OutCacheLoc:
+        specs = [ExtendSpec(i, self.seq_len(i), self.seq_len(i) + 1) for i in req_indices]
+        return self.alloc_extend(specs)
+
+    def alloc_prealloc(self, req_idx: int, seq_len: int) -> None:
+        """Disaggregated decode: hold what a request of seq_len needs to continue, before its KV
+        arrives: all full pages, the SWA pages from swa_window_start, the state tails. Writes the
+        tables (the seed's write_dsv4_prealloc_tables)."""
+        if req_idx in self._reqs:
+            raise ValueError(f"request {req_idx} already holds memory")
+        p = self.page_size
+        need = {
+            "full": list(range(cdiv(seq_len, p))),
+            "swa": list(self._pages_in(swa_window_start(seq_len, self.layout.window, p), seq_len)),
+        }
+        for fam, ratio in self._state_ratio.items():
+            active = self._active[fam]
+            need[fam] = list(self._pages_in(state_alloc_offset(ratio, seq_len), seq_len)) if active else []
+        for fam in FAMILIES:
+            if len(need[fam]) > self.pools[fam].num_free:
+                raise OutOfPages(
+                    f"{fam} pool: prealloc needs {len(need[fam])}, {self.pools[fam].num_free} free"
+                )
+        self._reqs[req_idx] = _ReqPages()
+        empty = {f: [] for f in FAMILIES}
+        self._apply(ExtendSpec(req_idx, 0, seq_len), _Plan(free=empty, need=need))
+
+    def _apply(self, spec: ExtendSpec, plan: _Plan) -> None:
+        r = self._reqs.setdefault(spec.req_idx, _ReqPages())
+        pool, p, idx = self.req_pool, self.page_size, spec.req_idx
+        tables = {
+            "swa": pool.req_to_token_swa,
+            "c4s": pool.req_to_token_c4_state,
+            "c128s": pool.req_to_token_c128_state,
+        }
+        for fam, freed in plan.free.items():
+            if not freed:
+                continue
+            held = getattr(r, fam)
+            for k, _ in freed:
+                del held[k]
+                tables[fam][idx, k * p : (k + 1) * p] = 0
+            self.pools[fam].free([pg for _, pg in freed])
+        for fam, ks in plan.need.items():
+            pages = self.pools[fam].alloc(len(ks))
+            if fam == "full":
+                r.full.extend(pages)
+                continue
+            held = getattr(r, fam)
+            for k, pg in zip(ks, pages, strict=True):
+                held[k] = pg
+                lo, hi = k * p, min((k + 1) * p, self.max_ctx)
+                tables[fam][idx, lo:hi] = torch.arange(pg * p, pg * p + hi - lo, dtype=torch.int32)
+        prefix, seq = spec.prefix_len, spec.seq_len
+        pos = torch.arange(prefix, seq)
+        full = torch.tensor(r.full, dtype=torch.int64)
+        pool.req_to_token[idx, prefix:seq] = (full[pos // p] * p + pos % p).to(torch.int32)
+        for ratio, table in ((4, pool.req_to_token_c4), (128, pool.req_to_token_c128)):
+            blocks = torch.arange(prefix // ratio, seq // ratio)
+            first = blocks * ratio
+            rows = full[first // p] * (p // ratio) + (first % p) // ratio
+            table[idx, prefix // ratio : seq // ratio] = rows.to(torch.int32)
+        r.seq_len = seq
+
+    def _bundle(self, specs: Sequence[ExtendSpec]) -> DSV4OutCacheLoc:
+        pool = self.req_pool
+        full, swa, c4, c128, c4s, c128s = [], [], [], [], [], []
+        out = DSV4OutCacheLoc(*(torch.empty(0, dtype=torch.int64) for _ in range(6)))
+        for s in specs:
+            i, prefix, seq = s.req_idx, s.prefix_len, s.seq_len
+            full.append(pool.req_to_token[i, prefix:seq])
+            swa.append(pool.req_to_token_swa[i, prefix:seq])
+            c4.append(pool.req_to_token_c4[i, prefix // 4 : seq // 4])
+            c128.append(pool.req_to_token_c128[i, prefix // 128 : seq // 128])
+            lo4 = max(prefix, state_alloc_offset(4, seq)) if self._active["c4s"] else seq
+            lo128 = max(prefix, state_alloc_offset(128, seq)) if self._active["c128s"] else seq
+            c4s.append(pool.req_to_token_c4_state[i, lo4:seq])
+            c128s.append(pool.req_to_token_c128_state[i, lo128:seq])
+            out.extend_counts.append(seq - prefix)
+            out.c4_counts.append(seq // 4 - prefix // 4)
+            out.c128_counts.append(seq // 128 - prefix // 128)
+            out.c4_state_counts.append(seq - lo4)
+            out.c128_state_counts.append(seq - lo128)
+        if specs:
+            out.out_full_loc, out.out_swa_loc, out.out_c4_loc, out.out_c128_loc = (
+                torch.cat(x).to(torch.int64) for x in (full, swa, c4, c128)
+            )
+            out.out_c4_state_loc = torch.cat(c4s).to(torch.int64)
+            out.out_c128_state_loc = torch.cat(c128s).to(torch.int64)
+        return out
+
+    # ---- freeing -------------------------------------------------------------------------------
+    def free(self, req_idx: int) -> None:
+        """The one free path: every page of every family the request holds, c4/c128 included.
+
+        Clears the request's table rows too, so a reused row never points at someone else's page.
+        """
+        r = self._reqs.pop(req_idx, None)
+        if r is None:
+            return
+        self.pools["full"].free(r.full)
+        for fam in ("swa", "c4s", "c128s"):
+            self.pools[fam].free(list(getattr(r, fam).values()))
+        pool = self.req_pool
+        for table in (pool.req_to_token, *(getattr(pool, n) for n in pool.DSV4_TABLES)):
+            table[req_idx].zero_()

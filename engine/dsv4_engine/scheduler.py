@@ -1,0 +1,313 @@
+"""Continuous batching over the paged DSV4 allocator: pure logic, no model.
+
+Each step:
+1. Decodes first: every running request with one token pending gets it, in admission order. When
+   the pools cannot take a decode, the most recently admitted running request is preempted by
+   recompute (its pages freed, back to the front of the waiting queue; counted in
+   `num_preemptions`), until the decode fits or the request preempts itself.
+2. Then prefill chunks under what is left of `max_num_batched_tokens`: unfinished chunked prefills
+   first, then waiting requests in arrival order (admission needs a free request row, fewer than
+   `max_num_seqs` running, and free full pages for the request's whole context). A chunk is at most
+   `chunk_size` tokens; a chunk that does not reach the end of the known tokens ends on a page
+   boundary (a budget-limited chunk is rounded down), so only the ratio-4 overlap ever crosses chunks.
+3. One `alloc_extend` for the whole step returns the bundle the forward writes to.
+
+The caller runs the forward, samples a token for every chunk with `sample=True`, and hands them to
+`postprocess`, which appends tokens, finishes requests (EOS / stop ids / max_tokens / max_model_len)
+and frees them through the request pool's one free path.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from .memory.allocator import FAMILIES, Dsv4Allocator, DSV4OutCacheLoc, ExtendSpec
+from .memory.req_to_token import Dsv4ReqPool
+from .memory.state_tail import cdiv
+from .sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    req_idx: int | None = None
+    num_computed: int = 0  # positions whose KV is in the pools
+    finish_reason: str | None = None
+    prompt_counted: bool = False
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+
+@dataclass
+class ScheduledChunk:
+    """Positions [start, end) of seq; sample: the chunk reaches the last known token, so the
+    forward yields the next one (fixed when scheduled)."""
+
+    seq: Sequence
+    start: int
+    end: int
+    sample: bool = field(init=False)
+    token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sample = self.end == self.seq.num_tokens
+        self.token_ids = self.seq.all_token_ids[self.start : self.end]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.end - self.start == 1 and self.sample and self.start > 0
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]  # decodes first, then prefill chunks
+    specs: list[ExtendSpec]
+    bundle: DSV4OutCacheLoc
+    preempted: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.end - c.start for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunk_size: int | None = None  # per-request cap on a prefill chunk; None: the token budget only
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.page_size:
+            raise ValueError("max_num_batched_tokens must be at least one page")
+        if self.chunk_size is not None and (
+            self.chunk_size < self.page_size or self.chunk_size % self.page_size
+        ):
+            raise ValueError(f"chunk_size must be a multiple of the page size {self.page_size}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: Dsv4Allocator, req_pool: Dsv4ReqPool) -> None:
+        if allocator.page_size != config.page_size:
+            raise ValueError("scheduler and allocator disagree on the page size")
+        self.config = config
+        self.allocator = allocator
+        self.req_pool = req_pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.counters = {"num_preemptions": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0}
+        self.counters["num_aborted"] = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        n = len(seq.prompt_token_ids)
+        if n == 0:
+            raise ValueError(f"request {seq.request_id}: empty prompt")
+        if n >= self.config.max_model_len:
+            raise ValueError(f"request {seq.request_id}: prompt of {n} tokens >= max_model_len")
+        if self._full_pages_for(seq) > self.allocator.pools["full"].num_pages:
+            raise ValueError(f"request {seq.request_id}: its context can never fit the full-page pool")
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a waiting or running request, freeing what it holds; None if unknown."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return self._finish(seq, "abort")
+        for seq in self.running:
+            if seq.request_id == request_id:
+                return self._finish(seq, "abort")
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {"num_running": len(self.running), "num_waiting": len(self.waiting)}
+        out.update({k: float(v) for k, v in self.counters.items()})
+        out.update({f"pool_usage/{k}": v for k, v in self.allocator.usage().items()})
+        return out
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def _full_pages_for(self, seq: Sequence) -> int:
+        ctx = min(self.config.max_model_len, len(seq.prompt_token_ids) + seq.params.max_tokens)
+        return cdiv(ctx, self.config.page_size)
+
+    def _spec(self, seq: Sequence, end: int) -> ExtendSpec:
+        assert seq.req_idx is not None
+        return ExtendSpec(seq.req_idx, seq.num_computed, end)
+
+    def _fits(self, planned: dict[str, int], spec: ExtendSpec) -> dict[str, int] | None:
+        need = self.allocator.pages_needed([spec])
+        total = {f: planned[f] + need[f] for f in FAMILIES}
+        free = self.allocator.num_free()
+        return total if all(total[f] <= free[f] for f in FAMILIES) else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        if seq.req_idx is not None:
+            self.req_pool.free(seq.req_idx)  # the one free path: every page of every family
+        seq.req_idx, seq.num_computed, seq.status = None, 0, SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.counters["num_preemptions"] += 1
+
+    def schedule(self) -> SchedulerOutput | None:
+        """Pick and allocate the next step; None when there is nothing to run."""
+        preempted: list[str] = []
+        while True:
+            out = self._schedule_once(preempted)
+            if out is not None or not self.running:
+                return out
+            # Running requests exist but none could take a step (pools full of partial prefills):
+            # recompute the newest so the older ones can progress.
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+
+    def _schedule_once(self, preempted: list[str]) -> SchedulerOutput | None:
+        budget = self.config.max_num_batched_tokens
+        planned = dict.fromkeys(FAMILIES, 0)
+        chunks: list[ScheduledChunk] = []
+        specs: list[ExtendSpec] = []
+
+        # 1. decodes (one pending token), preempting the newest running requests when short.
+        for seq in [s for s in self.running if s.num_pending == 1]:
+            if seq.status is not SeqStatus.RUNNING or budget == 0:
+                continue
+            while True:
+                total = self._fits(planned, self._spec(seq, seq.num_tokens))
+                if total is not None:
+                    planned = total
+                    chunks.append(ScheduledChunk(seq, seq.num_computed, seq.num_tokens))
+                    specs.append(self._spec(seq, seq.num_tokens))
+                    budget -= 1
+                    break
+                scheduled = {c.seq.request_id for c in chunks}
+                victims = [s for s in self.running if s.request_id not in scheduled and s is not seq]
+                victim = victims[-1] if victims else seq
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+
+        # 2. prefill chunks: running (partially prefilled) first, then admission from waiting.
+        for seq in [s for s in self.running if s.num_pending > 1]:
+            if not self._add_chunk(seq, budget, planned, chunks, specs):
+                break
+            planned = self._planned_after(specs)
+            budget -= chunks[-1].end - chunks[-1].start
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            free_full = self.allocator.pools["full"].num_free - planned["full"]
+            # Admission: the pools must hold every known token of the request (prompt, and the
+            # outputs of a preempted one); decode growth is covered by preemption.
+            if cdiv(seq.num_tokens, self.config.page_size) > free_full or self.req_pool.available_size() == 0:
+                break
+            seq.req_idx = self.req_pool.alloc()
+            if not self._add_chunk(seq, budget, planned, chunks, specs):
+                self.req_pool.free(seq.req_idx)
+                seq.req_idx = None
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            planned = self._planned_after(specs)
+            budget -= chunks[-1].end - chunks[-1].start
+
+        if not chunks:
+            return None
+        bundle = self.allocator.alloc_extend(specs)
+        return SchedulerOutput(chunks=chunks, specs=specs, bundle=bundle, preempted=preempted)
+
+    def _planned_after(self, specs: list[ExtendSpec]) -> dict[str, int]:
+        return self.allocator.pages_needed(specs)
+
+    def _add_chunk(
+        self,
+        seq: Sequence,
+        budget: int,
+        planned: dict[str, int],
+        chunks: list[ScheduledChunk],
+        specs: list[ExtendSpec],
+    ) -> bool:
+        """Append the next prefill chunk of seq if budget and pools allow; False otherwise."""
+        p = self.config.page_size
+        limit = min(budget, self.config.chunk_size or budget)
+        end = seq.num_computed + min(seq.num_pending, limit)
+        if end < seq.num_tokens:
+            end = (end // p) * p  # non-final chunks end on a page boundary
+        if end <= seq.num_computed:
+            return False
+        if self._fits(planned, self._spec(seq, end)) is None:
+            return False
+        chunks.append(ScheduledChunk(seq, seq.num_computed, end))
+        specs.append(self._spec(seq, end))
+        return True
+
+    # ---- after the forward ---------------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Advance every scheduled chunk; `sampled` maps request id -> token for chunks with
+        sample=True (requests aborted meanwhile are skipped). Returns the requests that finished."""
+        finished = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_computed = chunk.end
+            if not chunk.sample:
+                continue
+            if not seq.prompt_counted:
+                seq.prompt_counted = True
+                self.counters["prompt_tokens_total"] += len(seq.prompt_token_ids)
+            token = sampled[seq.request_id]
+            seq.output_token_ids.append(token)
+            self.counters["generation_tokens_total"] += 1
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                finished.append(self._finish(seq, reason))
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids):
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> Sequence:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.req_idx is not None:
+            self.req_pool.free(seq.req_idx)
+            seq.req_idx = None
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        if reason == "abort":
+            self.counters["num_aborted"] += 1
+        return seq

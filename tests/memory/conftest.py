@@ -1,0 +1,64 @@
+"""Fixtures for the paged-memory tests: a small layout with every layer type and a memory factory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dsv4_engine.memory import (
+    Dsv4Allocator,
+    Dsv4DecodeReqToTokenPool,
+    Dsv4MemoryLayout,
+    Dsv4ReqToTokenPool,
+    Dsv4TokenToKVPool,
+    PoolSizes,
+)
+
+
+@dataclass
+class Mem:
+    layout: Dsv4MemoryLayout
+    sizes: PoolSizes
+    kv: Dsv4TokenToKVPool
+    req_pool: Dsv4ReqToTokenPool | Dsv4DecodeReqToTokenPool
+    alloc: Dsv4Allocator
+
+
+def small_layout(
+    page_size: int = 128, window: int = 16, ratios: tuple[int, ...] = (0, 4, 128, 0)
+) -> Dsv4MemoryLayout:
+    return Dsv4MemoryLayout(
+        compress_ratios=ratios, head_dim=8, index_head_dim=4, window=window, page_size=page_size,
+        kv_dtype=torch.float32,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def make_mem() -> Callable[..., Mem]:
+    def make(
+        *,
+        page_size: int = 128,
+        window: int = 16,
+        ratios: tuple[int, ...] = (0, 4, 128, 0),
+        full_pages: int = 40,
+        swa_pages: int = 16,
+        state_pages: int = 12,
+        max_reqs: int = 4,
+        max_ctx: int = 2048,
+        decode: bool = False,
+    ) -> Mem:
+        layout = small_layout(page_size, window, ratios)
+        sizes = PoolSizes(full_pages, swa_pages, state_pages, state_pages)
+        kv = Dsv4TokenToKVPool(layout, sizes)
+        if decode:
+            req_pool: Dsv4ReqToTokenPool | Dsv4DecodeReqToTokenPool = Dsv4DecodeReqToTokenPool(
+                max_reqs, max_ctx, pre_alloc_size=2
+            )
+        else:
+            req_pool = Dsv4ReqToTokenPool(max_reqs, max_ctx)
+        return Mem(layout, sizes, kv, req_pool, Dsv4Allocator(layout, sizes, req_pool))
+
+    return make

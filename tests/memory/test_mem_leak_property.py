@@ -1,0 +1,99 @@
+"""Property: after ANY sequence of allocations, extends, decodes, failed allocations and frees, every
+pool is back at its initial free count (a single leaked page fails), and while requests live the
+pages each pool has handed out are exactly the pages the live requests hold."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsv4_engine.memory import ExtendSpec, OutOfPages
+from dsv4_engine.memory.allocator import FAMILIES
+from dsv4_engine.memory.sizing import state_pages_per_req, swa_pages_per_req
+
+MAX_CTX = 1536
+
+op = st.one_of(
+    st.tuples(st.just("new"), st.integers(1, 700)),
+    st.tuples(st.just("extend"), st.integers(0, 3), st.integers(1, 400)),
+    st.tuples(st.just("extend_aligned"), st.integers(0, 3), st.integers(1, 3)),
+    st.tuples(
+        st.just("decode"),
+        st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True),
+        st.integers(1, 40),
+    ),
+    st.tuples(st.just("free"), st.integers(0, 3)),
+)
+
+
+def table_pages(row: torch.Tensor, page: int) -> set[int]:
+    return {int(v) // page for v in row.tolist() if v}
+
+
+def check_accounting(mem, live: list[int]) -> None:
+    a = mem.alloc
+    for fam in FAMILIES:
+        held = sum(a.held_pages(r)[fam] for r in live)
+        assert a.pools[fam].num_used == held, fam
+    p = mem.layout.page_size
+    for r in live:
+        held = a.held_pages(r)
+        assert len(table_pages(mem.req_pool.req_to_token_swa[r], p)) == held["swa"]
+        assert len(table_pages(mem.req_pool.req_to_token_c4_state[r], p)) == held["c4s"]
+        assert len(table_pages(mem.req_pool.req_to_token_c128_state[r], p)) == held["c128s"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ops=st.lists(op, max_size=25), page_size=st.sampled_from([128, 256]), window=st.sampled_from([16, 128])
+)
+def test_any_workload_returns_every_page(make_mem, ops, page_size: int, window: int) -> None:
+    mem = make_mem(page_size=page_size, window=window, full_pages=14, swa_pages=14, state_pages=9,
+                   max_reqs=4, max_ctx=MAX_CTX)  # fmt: skip
+    a, pool = mem.alloc, mem.req_pool
+    initial = a.num_free()
+    live: list[int] = []
+
+    def attempt(specs: list[ExtendSpec]) -> None:
+        before = a.num_free()
+        try:
+            a.alloc_extend(specs)
+        except OutOfPages:
+            assert a.num_free() == before  # a failed step takes nothing
+
+    for o in ops:
+        if o[0] == "new":
+            r = pool.alloc()
+            if r is None:
+                continue
+            live.append(r)
+            attempt([ExtendSpec(r, 0, min(o[1], MAX_CTX))])
+        elif o[0] in ("extend", "extend_aligned") and live:
+            r = live[o[1] % len(live)]
+            cur = a.seq_len(r)
+            add = o[2] if o[0] == "extend" else o[2] * page_size - cur % page_size
+            if cur + add <= MAX_CTX:
+                attempt([ExtendSpec(r, cur, cur + add)])
+        elif o[0] == "decode" and live:
+            reqs = sorted({live[i % len(live)] for i in o[1]})
+            for _ in range(o[2]):
+                if any(a.seq_len(r) + 1 > MAX_CTX for r in reqs):
+                    break
+                attempt([ExtendSpec(r, a.seq_len(r), a.seq_len(r) + 1) for r in reqs])
+                for r in reqs:  # a decoding request stays within its per-request bounds
+                    if a.seq_len(r) > 0:
+                        held = a.held_pages(r)
+                        assert held["swa"] <= swa_pages_per_req(window, page_size)
+                        assert held["c4s"] <= state_pages_per_req(4, page_size)
+                        assert held["c128s"] <= state_pages_per_req(128, page_size)
+        elif o[0] == "free" and live:
+            pool.free(live.pop(o[1] % len(live)))
+        check_accounting(mem, live)
+
+    for r in live:
+        pool.free(r)
+    assert a.num_free() == initial
+    assert pool.available_size() == 4
+    for name in ("req_to_token", *pool.DSV4_TABLES):
+        assert int(getattr(pool, name).abs().sum()) == 0, name
