@@ -1,0 +1,52 @@
+"""Device and dtype selection: Ascend NPU (torch_npu, imported only there), CUDA, CPU."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def npu_available() -> bool:
+    """True if torch_npu imports and sees a device; the import happens only when asked."""
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError:
+        return False
+    return bool(getattr(torch, "npu", None)) and torch.npu.is_available()
+
+
+def select_device(device: str | torch.device = "auto") -> torch.device:
+    """`auto` picks NPU, then CUDA, then CPU; an explicit `npu` imports torch_npu first."""
+    name = device.type if isinstance(device, torch.device) else device.split(":")[0]
+    if name == "auto":
+        if npu_available():
+            return torch.device("npu")
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "npu" and not npu_available():
+        raise RuntimeError("device 'npu' requested but torch_npu is not installed or sees no NPU")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but CUDA is not available")
+    if name not in ("cpu", "cuda", "npu"):
+        raise ValueError(f"device must be auto, cpu, cuda or npu, got {device!r}")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto`: fp32 on CPU (no fast bf16 there), bf16 on accelerators."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]

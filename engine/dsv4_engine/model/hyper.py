@@ -1,0 +1,74 @@
+"""mHC: manifold-constrained hyper-connections.
+
+The residual is `hc_mult` parallel streams `[T, N, D]`. Before each sub-block a one-layer
+map of the (RMS-normalised, flattened) streams gives `pre` (collapse N streams into the
+block input), `post` (spread the block output back over N streams) and `comb` (mix the
+input streams), the last projected towards a doubly-stochastic matrix by Sinkhorn-Knopp.
+All of it runs in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4_engine.config import Dsv4Config
+from dsv4_engine.model.ops import unweighted_rms_norm
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, config: Dsv4Config) -> None:
+        super().__init__()
+        self.n = config.hc_mult
+        self.iters = config.hc_sinkhorn_iters
+        self.hc_eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + self.n) * self.n, self.n * config.hidden_size))
+        self.base = nn.Parameter(torch.zeros((2 + self.n) * self.n))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(post [T, N], comb [T, N, N], collapsed [T, D]) for streams `[T, N, D]`."""
+        n = self.n
+        mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
+        # Sinkhorn-Knopp: columns, then (rows, columns) iters - 1 times; in place (same rounding).
+        eps = self.hc_eps
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
+        for _ in range(self.iters - 1):
+            comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
+            comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """New streams: `post_k * out + sum_j comb[j, k] * streams_j`."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the streams before the model norm."""
+
+    def __init__(self, config: Dsv4Config) -> None:
+        super().__init__()
+        self.n = config.hc_mult
+        self.eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(self.n, self.n * config.hidden_size))
+        self.hc_base = nn.Parameter(torch.zeros(self.n))
+        self.hc_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -1,0 +1,118 @@
+"""DeepSeek-V4 decoder: embedding -> hc_mult streams -> layers (mHC around attention and
+MoE) -> head collapse -> norm -> lm_head. Module paths equal HF's state-dict names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4_engine.config import Dsv4Config
+from dsv4_engine.model.attention import Dsv4Attention
+from dsv4_engine.model.batch import ForwardBatch
+from dsv4_engine.model.cache import DenseSeqCache
+from dsv4_engine.model.hyper import HyperConnection, HyperHead, expand
+from dsv4_engine.model.moe import MoE
+from dsv4_engine.model.ops import RMSNorm
+from dsv4_engine.rope import RopeRegistry
+
+# Parameters HF keeps in fp32 whatever the model dtype (`_keep_in_fp32_modules_strict`),
+# matched by path component; plus our RoPE frequencies.
+FP32_NAMES = (
+    "attn_hc",
+    "ffn_hc",
+    "hc_head",
+    "sinks",
+    "position_bias",
+    "e_score_correction_bias",
+    "q_a_norm",
+    "kv_norm",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "norm",
+    "inv_freq",
+)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Dsv4Config, layer: int, rope: RopeRegistry) -> None:
+        super().__init__()
+        self.self_attn = Dsv4Attention(
+            config, layer, rope.get(config.rope_main), rope.get(config.rope_compress)
+        )
+        self.mlp = MoE(config, layer)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        post, comb, collapsed = self.attn_hc(streams)
+        streams = expand(post, comb, self.self_attn(self.input_layernorm(collapsed), batch), streams)
+        post, comb, collapsed = self.ffn_hc(streams)
+        out = self.mlp(self.post_attention_layernorm(collapsed), batch.input_ids)
+        return expand(post, comb, out, streams)
+
+
+class Dsv4Model(nn.Module):
+    def __init__(self, config: Dsv4Config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rope = RopeRegistry(config.qk_rope_head_dim, max_positions)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rope) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(config)
+        self.rope.build()
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states `[T, hidden]`; advances every request's cache."""
+        if len(batch.positions) and int(batch.positions.max()) >= self.rope.max_positions:
+            raise ValueError(
+                f"position {int(batch.positions.max())} exceeds max_positions {self.rope.max_positions}"
+            )
+        for table in self.rope.tables.values():  # one lookup per table per forward, shared by layers
+            batch.memo[id(table)] = table.lookup(batch.positions)
+        x = self.embed_tokens(batch.input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, batch)
+        for seq in batch.seqs:
+            seq.cache.num_tokens = seq.end
+        return self.norm(self.hc_head(streams))
+
+
+class Dsv4ForCausalLM(nn.Module):
+    def __init__(self, config: Dsv4Config, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Dsv4Model(config, max_positions or config.max_position_embeddings)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def cast(self, dtype: torch.dtype) -> Dsv4ForCausalLM:
+        """Cast to `dtype`, keeping HF's fp32 modules (norms, mHC, sinks, biases) in fp32."""
+        self.to(dtype)
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            if tensor.is_floating_point() and any(part in FP32_NAMES for part in name.split(".")):
+                tensor.data = tensor.data.float()
+        return self
+
+    def new_cache(self) -> DenseSeqCache:
+        return DenseSeqCache(self.config, self.dtype, self.device)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,103 @@
+"""DSV4 MoE: sqrtsoftplus scoring, routed experts with SwiGLU limits, one shared expert.
+
+Routing: scores `s = sqrt(softplus(x @ W_gate.T))`. Score-based layers pick the top-k of
+`s + e_score_correction_bias` (the bias steers selection only); hash layers pick
+`tid2eid[token_id]`. Either way the weights are the picked unbiased scores, normalised to
+sum to 1, times `routed_scaling_factor`. Every expert, the shared one included (as HF's
+`DeepseekV4MLP` does), clamps gate to <= limit and up to [-limit, limit] before
+`silu(gate) * up`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4_engine.config import HASH_MOE, Dsv4Config
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Router(nn.Module):
+    """Score-based (`e_score_correction_bias`) or hash (`tid2eid`) routing; names as HF's."""
+
+    def __init__(self, config: Dsv4Config, is_hash: bool) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.scaling = config.routed_scaling_factor
+        self.is_hash = is_hash
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k])."""
+        scores = F.softplus(F.linear(x, self.weight)).sqrt()
+        if self.is_hash:
+            ids = self.tid2eid.index_select(0, input_ids).long()
+        else:
+            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class Experts(nn.Module):
+    """Routed experts as 3-D tensors: `gate_up_proj [E, 2I, D]` (gate rows first), `down_proj [E, D, I]`."""
+
+    def __init__(self, config: Dsv4Config) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.limit = config.swiglu_limit
+        inter, hidden = config.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(self.num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(self.num_experts, hidden, inter))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Dispatch by expert: one gather / two matmuls / one scatter-add per expert in use."""
+        out = torch.zeros_like(x)
+        flat_ids = ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        tokens = order // ids.shape[1]
+        flat_weights = weights.flatten().index_select(0, order)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = tokens[start : start + count]
+            gate, up = F.linear(x.index_select(0, rows), self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(swiglu(gate, up, self.limit), self.down_proj[expert])
+            out.index_add_(0, rows, (y * flat_weights[start : start + count, None]).to(out.dtype))
+            start += count
+        return out
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, config: Dsv4Config) -> None:
+        super().__init__()
+        self.limit = config.swiglu_limit
+        inter, hidden = config.moe_intermediate_size, config.hidden_size
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: Dsv4Config, layer: int) -> None:
+        super().__init__()
+        self.gate = Router(config, is_hash=config.mlp_layer_types[layer] == HASH_MOE)
+        self.experts = Experts(config)
+        self.shared_experts = SharedExpert(config)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
