@@ -14,7 +14,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "render": ("dsv4_operator.render", "main", "print the Kubernetes objects that realise a Dsv4Deployment"),
     "operator": ("dsv4_operator.run", "main", "run the operator (kopf) against the current cluster"),
     "serve": ("dsv4_engine.cli", "serve_main", "serve one model with the OpenAI-compatible API"),
-    "make-tiny": ("dsv4_engine.cli", "make_tiny_main", "write a random tiny DSV4 checkpoint with a tokenizer"),
+    "make-tiny": (
+        "dsv4_engine.cli",
+        "make_tiny_main",
+        "write a random tiny DSV4 checkpoint with a tokenizer",
+    ),
 }
 
 

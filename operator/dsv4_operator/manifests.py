@@ -10,6 +10,7 @@ after the resource; it selects the routers of `serving_fingerprint`) and the Net
 
 from __future__ import annotations
 
+import copy
 import shlex
 from typing import Any
 
@@ -97,19 +98,18 @@ def endpoint_service(dep: Dsv4Deployment, p: Plan) -> Obj:
 def router_rbac(p: Plan) -> list[Obj]:
     """The router watches pods in its namespace to find servers; nothing more."""
     labels = common_labels(p.name) | {L_COMPONENT: "router", L_ROLE: "router"}
-    meta = _meta(p, p.router_account, labels)
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(p, p.router_account, labels)},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
-            "metadata": meta,
+            "metadata": _meta(p, p.router_account, labels),
             "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
-            "metadata": meta,
+            "metadata": _meta(p, p.router_account, labels),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": p.router_account},
             "subjects": [{"kind": "ServiceAccount", "name": p.router_account, "namespace": p.namespace}],
         },
@@ -164,7 +164,9 @@ def render_plan(dep: Dsv4Deployment, p: Plan) -> list[Obj]:
     objs += [pdb(p, rp) for rp in (p.prefill, p.decode, p.router)]
     if dep.spec.network_policy.enabled:
         objs.append(network_policy(dep, p))
-    return objs
+    # The plan's label and selector dicts appear in several children; callers adopt and patch each
+    # child, so every object must own all of its parts.
+    return [copy.deepcopy(o) for o in objs]
 
 
 def render(

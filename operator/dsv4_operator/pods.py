@@ -68,7 +68,8 @@ def _resources(resources: Resources | None, npus: int = 0, npu_name: str = "") -
     res = resources.model_dump(by_alias=True, exclude_none=True) if resources else {}
     if npus:  # extended resources: requests must equal limits
         res = {k: {**res.get(k, {}), npu_name: npus} for k in ("requests", "limits")}
-    return {k: dict(sorted(v.items())) for k, v in sorted(res.items())}
+    # Quantities as strings, the API's canonical form: server-side apply on 1.20 rejects integers.
+    return {k: {q: str(n) for q, n in sorted(v.items())} for k, v in sorted(res.items())}
 
 
 def _placement(role: RoleSpec | RouterSpec) -> Obj:
@@ -109,7 +110,7 @@ def worker_statefulset(dep: Dsv4Deployment, p: Plan, rp: RolePlan, meta: Obj) ->
     volumes: list[Obj] = [
         *_model_volume(dep),
         {"name": "engine-config", "configMap": {"name": p.config_map}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": role.shared_memory_size}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(role.shared_memory_size)}},
         {"name": "tmp", "emptyDir": {}},
     ]
     mounts: list[Obj] = [

@@ -160,8 +160,8 @@ def test_worker_statefulsets(minimal: dict[str, Any]) -> None:
         assert ("--bootstrap-port" in args) == (role == "prefill")
         ports = {x["name"]: x["containerPort"] for x in c["ports"]}
         assert ports == ({"http": 30000, "bootstrap": 8998} if role == "prefill" else {"http": 30000})
-        assert c["resources"]["limits"]["huawei.com/Ascend910"] == 8
-        assert c["resources"]["requests"]["huawei.com/Ascend910"] == 8
+        assert c["resources"]["limits"]["huawei.com/Ascend910"] == "8"
+        assert c["resources"]["requests"]["huawei.com/Ascend910"] == "8"
         env = env_of(c)
         assert env["HCCL_IF_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert env["HCCL_SOCKET_IFNAME"] == "eth0"
@@ -214,7 +214,7 @@ def test_ascend_1980_example_uses_its_resource_name_and_host_path() -> None:
     objs = objects(yaml.safe_load((ROOT / "examples" / "ascend-1980.yaml").read_text()))
     sts = find(objs, "StatefulSet", "decode")
     c = container(sts)
-    assert c["resources"]["limits"] == {"huawei.com/ascend-1980": 4}
+    assert c["resources"]["limits"] == {"huawei.com/ascend-1980": "4"}
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model"]["hostPath"] == {"path": "/data/models/DeepSeek-V4-Flash", "type": "Directory"}
     assert "ascend-driver" not in volumes
@@ -390,3 +390,37 @@ def test_plan_selector_string(minimal: dict[str, Any]) -> None:
     sel = dict(kv.split("=") for kv in p.selector_string("decode").split(","))
     assert sel == p.decode.selector
     assert p.endpoint == "http://dsv4.default.svc:8000/v1"
+
+
+def _walk(node: Any) -> Any:
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+
+
+@pytest.mark.parametrize("path", VALID, ids=lambda p: p.name)
+def test_quantities_render_as_strings(path: Path) -> None:
+    # Server-side apply on 1.20 rejects integer quantities; strings are the API's canonical form.
+    obj = yaml.safe_load(path.read_text())
+    obj["spec"].setdefault("decode", {})["resources"] = {"limits": {"cpu": 4, "memory": "8Gi"}}
+    quantities = [
+        q
+        for node in _walk(objects(obj))
+        for key, value in node.items()
+        if key in ("requests", "limits") and isinstance(value, dict)
+        for q in value.values()
+    ] + [n["sizeLimit"] for n in _walk(objects(obj)) if "sizeLimit" in n]
+    assert quantities and all(isinstance(q, str) for q in quantities), quantities
+
+
+def test_rendered_objects_share_no_mutable_parts(minimal: dict[str, Any]) -> None:
+    # The operator adopts (mutates) each child; a dict shared between children would leak across them.
+    seen: dict[int, str] = {}
+    for obj in objects(minimal):
+        for node in _walk(obj):
+            owner = seen.setdefault(id(node), f"{obj['kind']}/{obj['metadata']['name']}")
+            assert owner == f"{obj['kind']}/{obj['metadata']['name']}", f"shared with {owner}"

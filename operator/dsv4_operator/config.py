@@ -1,0 +1,53 @@
+"""Operator settings: command-line flags of `dsv4 operator`, each with a DSV4_OPERATOR_* env default
+(so `kopf run -m dsv4_operator.handlers` picks them up too)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"DSV4_OPERATOR_{name}", default)
+
+
+def _flag(name: str, default: bool) -> bool:
+    return _env(name, "1" if default else "0").lower() in ("1", "true", "yes", "on")
+
+
+@dataclasses.dataclass
+class Config:
+    resync_seconds: float = 60.0  # periodic level-triggered reconcile of every resource
+    metrics_port: int = 0  # 0: no /metrics server
+    webhook: bool = False
+    webhook_addr: str = "0.0.0.0"
+    webhook_port: int = 9443
+    webhook_host: str = ""  # the name the API server dials by URL; also a certificate SAN
+    webhook_service: str = ""  # in-cluster: register this Service (in `namespace`) instead of a URL
+    webhook_secret: str = "dsv4-operator-webhook-tls"
+    webhook_config: str = "validate.dsv4.ai"  # the ValidatingWebhookConfiguration kopf manages
+    namespace: str = "default"  # where the operator runs: its Secret and Lease live here
+    leader_elect: bool = False
+    lease_name: str = "dsv4-operator"
+    lease_seconds: float = 15.0
+    identity: str = dataclasses.field(default_factory=socket.gethostname)
+
+    @classmethod
+    def from_env(cls) -> Config:
+        return cls(
+            resync_seconds=float(_env("RESYNC_SECONDS", "60")),
+            metrics_port=int(_env("METRICS_PORT", "0")),
+            webhook=_flag("WEBHOOK", False),
+            webhook_addr=_env("WEBHOOK_ADDR", "0.0.0.0"),
+            webhook_port=int(_env("WEBHOOK_PORT", "9443")),
+            webhook_host=_env("WEBHOOK_HOST", ""),
+            webhook_service=_env("WEBHOOK_SERVICE", ""),
+            webhook_secret=_env("WEBHOOK_SECRET", "dsv4-operator-webhook-tls"),
+            webhook_config=_env("WEBHOOK_CONFIG", "validate.dsv4.ai"),
+            namespace=_env("NAMESPACE", os.environ.get("POD_NAMESPACE", "default")),
+            leader_elect=_flag("LEADER_ELECT", False),
+            lease_name=_env("LEASE_NAME", "dsv4-operator"),
+            lease_seconds=float(_env("LEASE_SECONDS", "15")),
+            identity=_env("IDENTITY", os.environ.get("POD_NAME", socket.gethostname())),
+        )

@@ -1,0 +1,241 @@
+"""The operator on a real kube-apiserver + kube-controller-manager (v1.20.2, no CEL, no kubelet):
+tests set pod status themselves where Ready pods are needed."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import yaml
+
+from dsv4_operator import manifests, spec
+from dsv4_operator.fingerprint import deployment_fingerprint
+
+pytestmark = [pytest.mark.realk8s, pytest.mark.timeout(240)]
+
+ROOT = pathlib.Path(__file__).parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+INVALID = sorted((ROOT / "examples" / "invalid").glob("*.yaml"))
+KINDS = "statefulsets,deployments,services,configmaps,serviceaccounts,roles,rolebindings,poddisruptionbudgets,networkpolicies"
+
+
+def load(path: pathlib.Path, namespace: str, name: str | None = None) -> dict:
+    body = yaml.safe_load(path.read_text())
+    body["metadata"]["namespace"] = namespace
+    if name:
+        body["metadata"]["name"] = name
+    return body
+
+
+def apply(cluster: Any, body: dict) -> None:
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+
+
+def children(cluster: Any, ns: str, name: str) -> dict[tuple[str, str], dict]:
+    items = cluster.get(KINDS, "-n", ns, "-l", f"dsv4.ai/deployment={name}", "--show-managed-fields")["items"]
+    return {(o["kind"], o["metadata"]["name"]): o for o in items}
+
+
+def rendered(body: dict) -> set[tuple[str, str]]:
+    return {(o["kind"], o["metadata"]["name"]) for o in manifests.render(spec.parse(body))}
+
+
+def resource(cluster: Any, ns: str, name: str) -> dict:
+    return cluster.get("dsv4deployments", name, "-n", ns)
+
+
+def condition(cluster: Any, ns: str, name: str, type_: str) -> dict:
+    conds = (resource(cluster, ns, name).get("status") or {}).get("conditions") or []
+    return next((c for c in conds if c["type"] == type_), {})
+
+
+def patch(cluster: Any, what: str, ns: str, body: dict, *extra: str) -> None:
+    cluster.kubectl("patch", what, "-n", ns, "--type=merge", "-p", json.dumps(body), *extra)
+
+
+def set_pod_status(cluster: Any, ns: str, pod: str, status: dict) -> None:
+    patch(cluster, f"pod/{pod}", ns, {"status": status}, "--subresource=status")
+
+
+READY = {
+    "phase": "Running",
+    "conditions": [
+        {"type": "PodScheduled", "status": "True"},
+        {"type": "Ready", "status": "True"},
+        {"type": "ContainersReady", "status": "True"},
+    ],
+}
+
+
+def make_ready(cluster: Any, ns: str, name: str, fp: str) -> None:
+    """Play kubelet: mark the generation's pods Ready until its controllers report every replica ready."""
+
+    def done() -> bool:
+        pods = cluster.get("pods", "-n", ns, "-l", f"dsv4.ai/deployment={name},dsv4.ai/fingerprint={fp}")[
+            "items"
+        ]
+        for pod in pods:
+            if not any(
+                c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])
+            ):
+                set_pod_status(cluster, ns, pod["metadata"]["name"], READY)
+        workloads = [
+            o for (k, _), o in children(cluster, ns, name).items() if k in ("StatefulSet", "Deployment")
+        ]
+        mine = [o for o in workloads if o["metadata"]["labels"].get("dsv4.ai/fingerprint") == fp]
+        return bool(mine) and all(
+            (o.get("status") or {}).get("readyReplicas", 0) == o["spec"]["replicas"] for o in mine
+        )
+
+    cluster.wait(done, 60, f"generation {fp} ready")
+
+
+def test_crd_is_established(cluster: Any) -> None:
+    crd = cluster.get("crd/dsv4deployments.dsv4.ai")
+    assert {c["type"]: c["status"] for c in crd["status"]["conditions"]}["Established"] == "True"
+
+
+def test_every_example_is_accepted_and_realised(cluster: Any, operator: Any) -> None:
+    assert EXAMPLES
+    for path in EXAMPLES:
+        ns = f"ex-{path.stem}"
+        cluster.kubectl("create", "namespace", ns)
+        body = load(path, ns)
+        apply(cluster, body)
+        want = rendered(body)
+        name = body["metadata"]["name"]
+        cluster.wait(lambda: want <= set(children(cluster, ns, name)), 60, f"children of {path.name}")  # noqa: B023
+
+
+def _rejection(cluster: Any, path: pathlib.Path) -> tuple[pathlib.Path, str, int]:
+    proc = cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(load(path, "invalid")), check=False)
+    return path, proc.stderr, proc.returncode
+
+
+def test_every_invalid_example_is_rejected_naming_the_field(cluster: Any, operator: Any) -> None:
+    assert INVALID
+    cluster.kubectl("create", "namespace", "invalid")
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: _rejection(cluster, p), INVALID))
+    problems = []
+    for path, stderr, rc in results:
+        field = next(
+            line.split(":", 1)[1].strip()
+            for line in path.read_text().splitlines()
+            if line.startswith("# breaks:")
+        )
+        leaf = field.split(".")[-1].split("[")[0]
+        if rc == 0 or leaf not in stderr:
+            problems.append(f"{path.name} (expects {field}): rc={rc} {stderr.strip()[:300]}")
+    assert not problems, "\n".join(problems)
+    assert cluster.get("dsv4deployments", "-n", "invalid")["items"] == []
+
+
+def test_lifecycle(cluster: Any, operator: Any) -> None:
+    ns, name = "life", "demo"
+    cluster.kubectl("create", "namespace", ns)
+    body = load(ROOT / "examples" / "minimal.yaml", ns, name)
+    apply(cluster, body)
+    fp = deployment_fingerprint(spec.parse(body))
+
+    # Children: every rendered object, owned by the resource, applied by the operator's field manager.
+    cluster.wait(lambda: rendered(body) <= set(children(cluster, ns, name)), 60, "children")
+    uid = resource(cluster, ns, name)["metadata"]["uid"]
+    for obj in children(cluster, ns, name).values():
+        assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uid]
+        assert "dsv4-operator" in {m["manager"] for m in obj["metadata"]["managedFields"]}
+
+    # A child deleted by hand comes back.
+    decode = f"{name}-decode-{fp}"
+    old_uid = children(cluster, ns, name)[("StatefulSet", decode)]["metadata"]["uid"]
+    cluster.kubectl("delete", "statefulset", decode, "-n", ns)
+    cluster.wait(
+        lambda: children(cluster, ns, name).get(("StatefulSet", decode), {}).get("metadata", {}).get("uid")
+        not in (None, old_uid), 30, "deleted StatefulSet restored",
+    )  # fmt: skip
+
+    # Status: Ready once the pods are; the endpoint and observedGeneration are reported.
+    make_ready(cluster, ns, name, fp)
+    cluster.wait(lambda: condition(cluster, ns, name, "Ready").get("status") == "True", 30, "Ready")
+    status = resource(cluster, ns, name)["status"]
+    assert status["observedGeneration"] == resource(cluster, ns, name)["metadata"]["generation"]
+    assert status["endpoint"].startswith(f"http://{name}.{ns}.svc:")
+    assert status["decode"]["readyReplicas"] == 1 and status["servingFingerprint"] == fp
+
+    # A resync that finds nothing to change sends no write request (the API server's audit log).
+    offset, before = cluster.audit_offset(), operator.reconciles()
+    cluster.wait(lambda: operator.reconciles() >= before + 3, 30, "three reconciles")
+    assert cluster.writes_since(offset) == []
+
+    # Scaling prefill touches prefill only: decode and router are not written, their pods not replaced.
+    decode_pods = {
+        p["metadata"]["uid"] for p in cluster.get("pods", "-n", ns, "-l", "dsv4.ai/role=decode")["items"]
+    }
+    offset = cluster.audit_offset()
+    patch(cluster, f"dsv4deployment/{name}", ns, {"spec": {"prefill": {"replicas": 2}}})
+    prefill = f"{name}-prefill-{fp}"
+    cluster.wait(
+        lambda: children(cluster, ns, name)[("StatefulSet", prefill)]["spec"]["replicas"] == 2, 30, "scaled"
+    )
+    make_ready(cluster, ns, name, fp)
+    writes = cluster.writes_since(offset)
+    assert any(prefill in w for w in writes)
+    assert not [w for w in writes if f"{name}-decode-" in w or f"{name}-router-" in w], writes
+    assert {
+        p["metadata"]["uid"] for p in cluster.get("pods", "-n", ns, "-l", "dsv4.ai/role=decode")["items"]
+    } == decode_pods
+
+    # A fingerprint change rolls a new generation beside the old; the endpoint waits for it.
+    patch(
+        cluster,
+        f"dsv4deployment/{name}",
+        ns,
+        {"spec": {"image": "registry.example.com/dsv4/engine-ascend:0.2.0"}},
+    )
+    new = resource(cluster, ns, name)
+    new_fp = deployment_fingerprint(spec.parse(new))
+    assert new_fp != fp
+    cluster.wait(
+        lambda: ("StatefulSet", f"{name}-decode-{new_fp}") in children(cluster, ns, name),
+        30,
+        "new generation",
+    )
+
+    def selector() -> str:
+        return children(cluster, ns, name)[("Service", name)]["spec"]["selector"]["dsv4.ai/fingerprint"]
+
+    assert selector() == fp
+    pod = cluster.wait(
+        lambda: cluster.get("pods", "-n", ns, "-l", f"dsv4.ai/fingerprint={new_fp},dsv4.ai/role=decode")["items"],
+        30, "a new decode pod",
+    )[0]["metadata"]["name"]  # fmt: skip
+    set_pod_status(cluster, ns, pod, {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                                      "message": "0/3 nodes are available: 3 Insufficient huawei.com/Ascend910."}]})  # fmt: skip
+    cluster.wait(
+        lambda: condition(cluster, ns, name, "Progressing").get("reason") == "InsufficientCapacity",
+        30,
+        "shortage",
+    )
+    assert "Insufficient huawei.com/Ascend910" in condition(cluster, ns, name, "Progressing")["message"]
+    assert condition(cluster, ns, name, "Ready")["status"] == "True" and selector() == fp  # old keeps serving
+    make_ready(cluster, ns, name, new_fp)
+    cluster.wait(lambda: selector() == new_fp, 30, "endpoint moved to the new generation")
+    cluster.wait(
+        lambda: not [k for k in children(cluster, ns, name) if fp in k[1]], 30, "old generation deleted"
+    )
+    assert rendered(new) <= set(children(cluster, ns, name))
+    events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={name}")["items"]
+    assert "EndpointMoved" in {e["reason"] for e in events}
+
+    # Deleting the resource leaves nothing behind (garbage collection by owner references).
+    cluster.kubectl("delete", "dsv4deployment", name, "-n", ns, "--wait=true", "--timeout=60s")
+    cluster.wait(lambda: not children(cluster, ns, name), 60, "children collected")
+    cluster.wait(lambda: not cluster.get("pods", "-n", ns)["items"], 60, "pods collected")
+
+
+def test_operator_metrics_count_reconciles(operator: Any) -> None:
+    assert operator.reconciles() > 0
+    assert operator.metric("dsv4_operator_reconcile_duration_seconds_count") > 0
