@@ -2,9 +2,15 @@
 
     python bench/decode_vs_hf.py                      # writes a tiny checkpoint to a temp folder
     python bench/decode_vs_hf.py --model PATH --prompt-len 64 --new-tokens 128 --threads 1
+    python bench/decode_vs_hf.py --impls eager,compiled,hf   # only some rows
 
-Decode tokens/s counts the tokens after the first (the first comes from the prefill), timed over
-`--repeats` rounds after one warm-up round, the two implementations interleaved; the best run is reported.
+Rows: `engine` (LLMEngine end to end), `eager` / `compiled` (the batched static-buffer decode step of
+`DecodeGraphRunner` over the paged pools, prefill through the reference path; compiled artefacts are
+cached under TORCHINDUCTOR_CACHE_DIR, default ~/.cache/dsv4/inductor, and the compile happens in the
+untimed warm-up round), `hf` (HF `generate`). Decode tokens/s counts the tokens after the first (the
+first comes from the prefill), timed over `--repeats` rounds after one warm-up round, the
+implementations interleaved; the best run is reported. The footer gives what bounds the batched step:
+ATen ops dispatched per step and the split between metadata refresh and the forward.
 """
 
 from __future__ import annotations
@@ -33,6 +39,92 @@ def time_ours(model_path: Path, prompt: list[int], new_tokens: int, dtype: str) 
     while engine.has_unfinished():
         engine.step()
     return t1 - t0, time.perf_counter() - t1
+
+
+class _Batched:
+    """One request's paged memory, the model and a DecodeGraphRunner (bucket 1) in `mode`."""
+
+    def __init__(self, model_path: Path, dtype: str, mode: str, max_ctx: int) -> None:
+        from dsv4_engine.config import Dsv4Config
+        from dsv4_engine.device import resolve_dtype
+        from dsv4_engine.graph_runner import DecodeGraphRunner
+        from dsv4_engine.loader import load_checkpoint
+        from dsv4_engine.memory import (
+            Dsv4Allocator,
+            Dsv4MemoryLayout,
+            Dsv4ReqToTokenPool,
+            Dsv4TokenToKVPool,
+            PoolSizes,
+        )
+        from dsv4_engine.model import Dsv4ForCausalLM
+
+        torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
+        config = Dsv4Config.from_pretrained(model_path)
+        self.model = Dsv4ForCausalLM(config, max_positions=max_ctx).cast(torch_dtype)
+        load_checkpoint(self.model, model_path, dtype=None, progress=False)
+        self.model.eval()
+        layout = Dsv4MemoryLayout.from_config(config, page_size=128, kv_dtype=torch_dtype)
+        pages = -(-max_ctx // 128)
+        sizes = PoolSizes(full_pages=pages, swa_pages=pages + 2, c4_state_pages=4, c128_state_pages=4)
+        self.kv = Dsv4TokenToKVPool(layout, sizes)
+        self.req_pool = Dsv4ReqToTokenPool(1, max_ctx)
+        self.alloc = Dsv4Allocator(layout, sizes, self.req_pool)
+        self.runner = DecodeGraphRunner(self.model, self.kv, self.req_pool, max_ctx, buckets=(1,), mode=mode)
+        self.runner.warmup()
+        self.split = [0.0, 0.0, 0]  # metadata refresh seconds, forward seconds, steps
+
+    def __call__(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+        from dsv4_engine.memory import ExtendSpec
+        from dsv4_engine.memory.seq_cache import PagedSeqCache
+        from dsv4_engine.model import ForwardBatch
+
+        cache = PagedSeqCache(self.kv, self.alloc, self.req_pool.alloc())
+        t0 = time.perf_counter()
+        self.alloc.alloc_extend([ExtendSpec(cache.req_idx, 0, len(prompt))])
+        with torch.inference_mode():
+            hidden = self.model(ForwardBatch.build([(cache, prompt)]))
+            token = int(self.model.compute_logits(hidden[-1:]).argmax())
+        t1 = time.perf_counter()
+        pos = len(prompt)
+        for _ in range(new_tokens - 1):
+            self.alloc.alloc_decode([cache.req_idx])
+            ta = time.perf_counter()
+            bs = self.runner.prepare([ExtendSpec(cache.req_idx, pos, pos + 1)], [token])
+            tb = time.perf_counter()
+            token = int(self.runner.step(bs)[0].argmax())
+            self.split[0] += tb - ta
+            self.split[1] += time.perf_counter() - tb
+            self.split[2] += 1
+            pos += 1
+        t2 = time.perf_counter()
+        cache.free()
+        return t1 - t0, t2 - t1
+
+    def ops_per_step(self) -> int:
+        """ATen ops one eager decode step dispatches (after composite ops decompose)."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Count(TorchDispatchMode):
+            n = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                Count.n += 1
+                return func(*args, **(kwargs or {}))
+
+        with Count():
+            self.runner._eager_fn(1)()
+        return Count.n
+
+
+def time_batched(mode: str):  # type: ignore[no-untyped-def]
+    def run(model_path: Path, prompt: list[int], new_tokens: int, dtype: str) -> tuple[float, float]:
+        max_ctx = -(-(len(prompt) + new_tokens) // 128) * 128
+        bench = _cached(
+            ("batched", mode, model_path, dtype), lambda: _Batched(model_path, dtype, mode, max_ctx)
+        )
+        return bench(prompt, new_tokens)
+
+    return run
 
 
 def time_hf(model_path: Path, prompt: list[int], new_tokens: int, dtype: str) -> tuple[float, float]:
@@ -72,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--impls", default="engine,eager,compiled,hf", help="rows to run, comma-separated")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -84,7 +177,17 @@ def main(argv: list[str] | None = None) -> int:
             model_path = make_tiny(Path(tmp) / "tiny", seed=0)
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(3, 500, (a.prompt_len,), generator=g).tolist()
-        impls = {"dsv4 engine": time_ours, "HF generate": time_hf}
+        known = {
+            "engine": ("dsv4 engine", time_ours),
+            "eager": ("batched eager", time_batched("eager")),
+            "compiled": ("batched compiled", time_batched("compiled")),
+            "hf": ("HF generate", time_hf),
+        }
+        wanted = [name.strip() for name in a.impls.split(",") if name.strip()]
+        unknown = sorted(set(wanted) - set(known))
+        if unknown or "hf" not in wanted:
+            p.error(f"--impls takes {','.join(known)} and must include hf; got {a.impls!r}")
+        impls = dict(known[name] for name in wanted)
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in impls}
         for i in range(a.repeats + 1):  # interleaved, so load drift on a shared machine hits both alike
             for name, fn in impls.items():
@@ -101,11 +204,23 @@ def main(argv: list[str] | None = None) -> int:
         f"batch-1 greedy decode, prompt {a.prompt_len} tokens, {a.new_tokens} new tokens, "
         f"dtype {a.dtype}, {torch.get_num_threads()} torch thread(s), best of {a.repeats}"
     )
-    print(f"{'':<12} | {'prefill ms':>10} | {'decode tok/s':>12} | {'ms/token':>8}")
-    print(f"{'-' * 12}-+-{'-' * 10}-+-{'-' * 12}-+-{'-' * 8}")
+    hf_tps = next(tps for name, _, tps, _ in rows if name == "HF generate")
+    print(f"{'':<16} | {'prefill ms':>10} | {'decode tok/s':>12} | {'ms/token':>8} | {'vs HF':>6}")
+    print(f"{'-' * 16}-+-{'-' * 10}-+-{'-' * 12}-+-{'-' * 8}-+-{'-' * 6}")
     for name, prefill_ms, tps, ms in rows:
-        print(f"{name:<12} | {prefill_ms:>10.1f} | {tps:>12.1f} | {ms:>8.2f}")
-    print(f"ratio (engine / HF decode tok/s): {rows[0][2] / rows[1][2]:.2f}x")
+        print(f"{name:<16} | {prefill_ms:>10.1f} | {tps:>12.1f} | {ms:>8.2f} | {tps / hf_tps:>5.2f}x")
+    for key, bench in _CACHE.items():
+        if key[0] != "batched":
+            continue
+        meta_s, fwd_s, steps = bench.split  # type: ignore[attr-defined]
+        line = (
+            f"{key[1]}: per step {1e3 * meta_s / steps:.2f} ms host inputs + "
+            f"{1e3 * fwd_s / steps:.2f} ms step (metadata from the tables + forward)"
+        )
+        if key[1] == "eager":
+            ops = bench.ops_per_step()  # type: ignore[attr-defined]
+            line += f"; {ops} ATen ops per step, {1e6 * fwd_s / steps / ops:.1f} us each"
+        print(line)
     return 0
 
 

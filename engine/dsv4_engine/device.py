@@ -50,3 +50,34 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]
+
+
+class GraphApi:
+    """The device-graph calls the decode graph runner needs, for one backend (CUDA or NPU)."""
+
+    def __init__(self, module: object, graph_cls: type, graph_ctx: object) -> None:
+        self._m = module
+        self.graph = graph_cls
+        self.capture = graph_ctx  # capture(graph) -> context manager
+
+    def stream(self) -> object:
+        return self._m.Stream()  # type: ignore[attr-defined]
+
+    def current_stream(self) -> object:
+        return self._m.current_stream()  # type: ignore[attr-defined]
+
+    def use_stream(self, stream: object) -> object:
+        return self._m.stream(stream)  # type: ignore[attr-defined]
+
+
+def graph_api(device: torch.device) -> GraphApi:
+    """CUDA graphs on GPU, aclgraph (torch_npu's NPUGraph) on Ascend; torch_npu is imported only here."""
+    if device.type == "cuda":
+        return GraphApi(torch.cuda, torch.cuda.CUDAGraph, torch.cuda.graph)
+    if device.type == "npu":
+        importlib.import_module("torch_npu")
+        npu = torch.npu  # type: ignore[attr-defined]
+        return GraphApi(npu, npu.NPUGraph, npu.graph)
+    raise ValueError(
+        f"device graphs need a cuda or npu device, got {device}; use decode mode eager or compiled"
+    )

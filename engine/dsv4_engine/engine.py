@@ -1,30 +1,50 @@
 """`LLMEngine`: requests in, tokens out, one `step()` at a time.
 
-Simple scheduling for now: a step prefills every waiting request that fits (one forward for
-all of them), otherwise it decodes every running request together (one forward, one token
-each). Each request owns a dense `SeqCache`. The paged scheduler replaces this class's
-internals and keeps its interface.
+Paged continuous batching: the scheduler picks a step (decodes first, then chunked prefill under
+the token budget; admission by pool capacity; preemption by recompute) and allocates it in the
+paged pools; the model runner runs the forward over those pools and samples; the scheduler then
+appends the tokens and frees finished requests. See docs/engine.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-from collections import deque
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.device import resolve_dtype, select_device
-from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch, SeqCache
-from dsv4_engine.sampler import sample
+from dsv4_engine.memory import (
+    Dsv4Allocator,
+    Dsv4MemoryLayout,
+    Dsv4ReqToTokenPool,
+    Dsv4TokenToKVPool,
+    PoolSizes,
+)
+from dsv4_engine.memory.sizing import fixed_pool_sizes, plan_pool_sizes, pool_bytes, table_bytes
+from dsv4_engine.memory.state_tail import cdiv
+from dsv4_engine.model import Dsv4ForCausalLM
+from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.scheduler import Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 16384  # caps the RoPE tables; the real model allows 1M positions
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# Per-request prefill chunk when none is given: one page. The eager attention is dense over
+# [chunk + window + compressed rows] keys, so its cost per token grows with the chunk; many requests'
+# chunks still share one forward, so the linear layers see the whole token budget. -1: no cap.
+DEFAULT_CHUNK_PAGES = 1
+# Without an explicit budget the pools take at most this share of the memory available at start
+# (host memory on CPU, free device memory otherwise), and never more than max_num_seqs full contexts.
+DEFAULT_MEMORY_FRACTION = {"cpu": 0.25}
+DEFAULT_DEVICE_MEMORY_FRACTION = 0.8
 
 
 @dataclass
@@ -33,21 +53,6 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    output_token_ids: list[int] = field(default_factory=list)
-    cache: SeqCache | None = None
-    generator: torch.Generator | None = None
-    finish_reason: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 def load_model(
@@ -61,6 +66,47 @@ def load_model(
     return model.to(device).eval()
 
 
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the pools now: MemAvailable on CPU, the device's free memory otherwise."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "npu":
+        return int(torch.npu.mem_get_info(device)[0])  # type: ignore[attr-defined]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def plan_sizes(
+    layout: Dsv4MemoryLayout,
+    device: torch.device,
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    num_pages: int | None,
+    kv_cache_memory_bytes: int | None,
+) -> PoolSizes:
+    """Pool sizes from `num_pages` (full pages; the other families by formula), an explicit byte
+    budget, or by default a share of available memory capped at max_num_seqs full contexts."""
+    kw = {"max_reqs": max_num_seqs, "max_batched_tokens": max_num_batched_tokens}
+    if num_pages is not None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        return fixed_pool_sizes(layout, num_pages, **kw)
+    if kv_cache_memory_bytes is None:
+        fraction = DEFAULT_MEMORY_FRACTION.get(device.type, DEFAULT_DEVICE_MEMORY_FRACTION)
+        most = fixed_pool_sizes(layout, max_num_seqs * cdiv(max_model_len, layout.page_size), **kw)
+        wanted = pool_bytes(layout, most) + table_bytes(max_num_seqs, max_model_len)
+        kv_cache_memory_bytes = min(wanted, int(fraction * available_memory(device)))
+    return plan_pool_sizes(layout, kv_cache_memory_bytes, max_ctx=max_model_len, **kw)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -70,6 +116,12 @@ class LLMEngine:
         *,
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        chunked_prefill_size: int | None = None,
+        page_size: int = 128,
+        num_pages: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool = True,
         tokenizer: object | None = None,
         **kwargs: object,
     ) -> None:
@@ -80,18 +132,68 @@ class LLMEngine:
         self.config = Dsv4Config.from_pretrained(model_path)
         self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
+        if chunked_prefill_size is None:
+            chunked_prefill_size = DEFAULT_CHUNK_PAGES * page_size
+        elif chunked_prefill_size == -1:
+            chunked_prefill_size = None  # chunks limited by the token budget only
+        elif chunked_prefill_size <= 0 or chunked_prefill_size % page_size:
+            raise ValueError(
+                f"chunked_prefill_size {chunked_prefill_size} must be -1 or a positive multiple of "
+                f"page_size {page_size}"
+            )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, chunked_prefill_size or 0)
+        self.chunked_prefill_size = chunked_prefill_size
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.model = load_model(model_path, self.dtype, self.device, self.max_model_len)
         if tokenizer is None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.tokenizer = tokenizer
-        self.eos_token_ids = set(self.config.eos_token_ids)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+
+        self.layout = Dsv4MemoryLayout.from_config(self.config, page_size=page_size, kv_dtype=self.dtype)
+        self.pool_sizes = plan_sizes(
+            self.layout,
+            self.device,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_pages=num_pages,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+        )
+        self.kv_pool = Dsv4TokenToKVPool(self.layout, self.pool_sizes, self.device)
+        self.req_pool = Dsv4ReqToTokenPool(max_num_seqs, self.max_model_len, self.device)
+        self.allocator = Dsv4Allocator(self.layout, self.pool_sizes, self.req_pool)
+        sched_config = SchedulerConfig(
+            page_size=page_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            chunk_size=chunked_prefill_size,
+            eos_token_ids=tuple(self.config.eos_token_ids),
+        )
+        self.scheduler = Scheduler(sched_config, self.allocator, self.req_pool)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.allocator, enforce_eager=enforce_eager)
+        self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "num_preemptions": 0}
+        log.info(
+            "paged pools: %s, %.1f MiB; page %d, max_model_len %d, max_num_seqs %d, token budget %d",
+            self.pool_sizes,
+            pool_bytes(self.layout, self.pool_sizes) / 2**20,
+            page_size,
+            self.max_model_len,
+            max_num_seqs,
+            max_num_batched_tokens,
+        )
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.scheduler.config.eos_token_ids)
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, eos_token_ids=tuple(ids))
 
     def add_request(
         self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None
@@ -108,69 +210,42 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
-        req = Request(request_id, list(prompt_token_ids), sampling_params)
+        seq = Sequence(request_id, list(prompt_token_ids), sampling_params)
         if sampling_params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(sampling_params.seed)
-        self.requests[request_id] = req
-        self.waiting.append(req)
+            seq.generator = torch.Generator(device=self.device).manual_seed(sampling_params.seed)
+        self.scheduler.add(seq)  # raises if its context could never fit the pools
+        self.requests[request_id] = seq
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req in self.running:
-            self.running.remove(req)
-        self._release(req)
+        if self.requests.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     def metrics(self) -> dict[str, float]:
-        return {"num_running": float(len(self.running)), "num_waiting": float(len(self.waiting))} | {
-            k: float(v) for k, v in self.counters.items()
-        }
+        """Counters and gauges: num_running, num_waiting, num_preemptions, num_aborted,
+        prompt_tokens_total, generation_tokens_total, and per page family (full, swa, c4s, c128s)
+        pool_usage/<f> (fraction in use), pool_free/<f> and pool_total/<f> (pages)."""
+        return {k: float(v) for k, v in self.scheduler.metrics().items()}
 
-    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            batch_reqs = []
-            while self.waiting and len(self.running) + len(batch_reqs) < self.max_num_seqs:
-                req = self.waiting.popleft()
-                req.cache = self.model.new_cache()
-                batch_reqs.append(req)
-            chunks = [(r.cache, r.prompt_token_ids) for r in batch_reqs]
-            self.counters["prompt_tokens_total"] += sum(len(r.prompt_token_ids) for r in batch_reqs)
-            self.running.extend(batch_reqs)
-        elif self.running:
-            batch_reqs = list(self.running)
-            chunks = [(r.cache, r.output_token_ids[-1:]) for r in batch_reqs]
-        else:
+        out = self.scheduler.schedule()
+        if out is None:
+            if self.scheduler.has_unfinished() and not self.scheduler.running:
+                raise RuntimeError("requests are waiting but none can be admitted with empty pools")
             return []
-        batch = ForwardBatch.build(chunks, device=self.device)
-        hidden = self.model(batch)
-        last_rows = torch.tensor([s.offset + s.length - 1 for s in batch.seqs], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, last_rows))
-        tokens = sample(logits, [r.params for r in batch_reqs], [r.generator for r in batch_reqs])
-        return [self._append(req, token) for req, token in zip(batch_reqs, tokens, strict=True)]
-
-    def _append(self, req: Request, token: int) -> StepOutput:
-        req.output_token_ids.append(token)
-        self.counters["generation_tokens_total"] += 1
-        params = req.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            req.finish_reason = "stop"
-        elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            req.finish_reason = "length"
-        if req.finish_reason is not None:
-            self.running.remove(req)
-            self.requests.pop(req.request_id, None)
-            self._release(req)
-        return StepOutput(req.request_id, [token], req.finish_reason is not None, req.finish_reason)
-
-    def _release(self, req: Request) -> None:
-        if req.cache is not None:
-            req.cache.free()
-            req.cache = None
+        sampled = self.runner.run(out)
+        finished = {seq.request_id for seq in self.scheduler.postprocess(out, sampled)}
+        outputs = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            rid = seq.request_id
+            if rid not in sampled or rid not in self.requests:
+                continue
+            done = rid in finished
+            outputs.append(StepOutput(rid, [sampled[rid]], done, seq.finish_reason if done else None))
+            if done:
+                del self.requests[rid]
+        return outputs

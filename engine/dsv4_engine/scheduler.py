@@ -46,6 +46,10 @@ class Sequence:
     num_computed: int = 0  # positions whose KV is in the pools
     finish_reason: str | None = None
     prompt_counted: bool = False
+    # Engine-side handles the scheduler never reads: the model's view of the pages (a SeqCache,
+    # dropped whenever the pages are freed) and the request's seeded sampling generator.
+    cache: object | None = None
+    generator: object | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -152,6 +156,9 @@ class Scheduler:
         out: dict[str, float] = {"num_running": len(self.running), "num_waiting": len(self.waiting)}
         out.update({k: float(v) for k, v in self.counters.items()})
         out.update({f"pool_usage/{k}": v for k, v in self.allocator.usage().items()})
+        for name, pool in self.allocator.pools.items():
+            out[f"pool_free/{name}"] = float(pool.num_free)
+            out[f"pool_total/{name}"] = float(pool.num_pages)
         return out
 
     # ---- scheduling ----------------------------------------------------------------------------
@@ -173,7 +180,7 @@ class Scheduler:
         self.running.remove(seq)
         if seq.req_idx is not None:
             self.req_pool.free(seq.req_idx)  # the one free path: every page of every family
-        seq.req_idx, seq.num_computed, seq.status = None, 0, SeqStatus.WAITING
+        seq.req_idx, seq.num_computed, seq.status, seq.cache = None, 0, SeqStatus.WAITING, None
         self.waiting.appendleft(seq)
         self.counters["num_preemptions"] += 1
 
@@ -307,6 +314,7 @@ class Scheduler:
         if seq.req_idx is not None:
             self.req_pool.free(seq.req_idx)
             seq.req_idx = None
+        seq.cache = None
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         if reason == "abort":
             self.counters["num_aborted"] += 1

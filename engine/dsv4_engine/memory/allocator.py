@@ -57,6 +57,29 @@ class DSV4OutCacheLoc:
     c4_state_counts: list[int] = field(default_factory=list)
     c128_state_counts: list[int] = field(default_factory=list)
 
+    def select(self, lo: int, hi: int) -> DSV4OutCacheLoc:
+        """The bundle of requests [lo, hi) of this step (e.g. its decodes, which come first)."""
+        pairs = (
+            (self.out_full_loc, self.extend_counts),
+            (self.out_swa_loc, self.extend_counts),
+            (self.out_c4_loc, self.c4_counts),
+            (self.out_c128_loc, self.c128_counts),
+            (self.out_c4_state_loc, self.c4_state_counts),
+            (self.out_c128_state_loc, self.c128_state_counts),
+        )
+        tensors = [t[sum(c[:lo]) : sum(c[:hi])] for t, c in pairs]
+        counts = [
+            c[lo:hi]
+            for c in (
+                self.extend_counts,
+                self.c4_counts,
+                self.c128_counts,
+                self.c4_state_counts,
+                self.c128_state_counts,
+            )
+        ]
+        return DSV4OutCacheLoc(*tensors, *counts)
+
 
 @dataclass
 class _ReqPages:

@@ -39,12 +39,24 @@ class PagedSeqCache:
         kv_dtype = kv_pool.layout.kv_dtype
         self._default_state_dtypes = state_dtypes or (kv_dtype, kv_dtype)
         self._freed = False
+        # Slot lookups of the current step, once a driver calls new_step(): every layer asks for the
+        # same table ranges, and the tables only change between steps (allocation precedes the forward).
+        self._memo: dict[tuple[int, int, int], torch.Tensor] | None = None
+
+    def new_step(self) -> None:
+        """Start memoising slot lookups for one step (call after the step's allocation, every step)."""
+        self._memo = {}
 
     # ---- helpers -------------------------------------------------------------------------------
     def _slots(self, table: torch.Tensor, start: int, end: int, what: str) -> torch.Tensor:
-        slots = table[self.req_idx, start:end].to(torch.int64)
-        if bool((slots == 0).any()):
-            raise IndexError(f"{what} [{start}, {end}) of request {self.req_idx} is not resident")
+        key = (id(table), start, end)
+        slots = None if self._memo is None else self._memo.get(key)
+        if slots is None:
+            slots = table[self.req_idx, start:end].to(torch.int64)
+            if bool((slots == 0).any()):
+                raise IndexError(f"{what} [{start}, {end}) of request {self.req_idx} is not resident")
+            if self._memo is not None:
+                self._memo[key] = slots
         return slots
 
     def _state(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -71,16 +83,16 @@ class PagedSeqCache:
     def read_swa(self, layer: int, start: int, end: int) -> torch.Tensor:
         buf = self.kv.swa_kv[layer]
         slots = self._slots(self.req_pool.req_to_token_swa, start, end, "SWA")
-        return buf.view(-1, buf.shape[-1])[slots]
+        return buf.view(-1, buf.shape[-1]).index_select(0, slots)
 
     def write_swa(self, layer: int, start: int, rows: torch.Tensor) -> None:
         buf = self.kv.swa_kv[layer]
         slots = self._slots(self.req_pool.req_to_token_swa, start, start + len(rows), "SWA")
-        buf.view(-1, buf.shape[-1])[slots] = rows.to(buf.dtype)
+        buf.view(-1, buf.shape[-1]).index_copy_(0, slots, rows.to(buf.dtype))
 
     def read_state(self, layer: int, name: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         flat, table, _ = self._state(layer, name)
-        rows = flat[self._slots(table, start, end, f"{name} state")]
+        rows = flat.index_select(0, self._slots(table, start, end, f"{name} state"))
         half = flat.shape[-1] // 2
         kv_dtype, score_dtype = self._state_dtypes.get((layer, name), self._default_state_dtypes)
         return rows[:, :half].to(kv_dtype), rows[:, half:].to(score_dtype)
@@ -93,15 +105,15 @@ class PagedSeqCache:
         if lo >= end:
             return
         slots = self._slots(table, lo, end, f"{name} state")
-        flat[slots] = torch.cat([kv[lo - start :], score[lo - start :]], dim=-1).to(flat.dtype)
+        flat.index_copy_(0, slots, torch.cat([kv[lo - start :], score[lo - start :]], dim=-1).to(flat.dtype))
 
     def read_rows(self, layer: int, name: str, end: int) -> torch.Tensor:
         flat, table = self._rows(layer, name)
-        return flat[self._slots(table, 0, end, f"{name} rows")]
+        return flat.index_select(0, self._slots(table, 0, end, f"{name} rows"))
 
     def write_rows(self, layer: int, name: str, start: int, rows: torch.Tensor) -> None:
         flat, table = self._rows(layer, name)
-        flat[self._slots(table, start, start + len(rows), f"{name} rows")] = rows.to(flat.dtype)
+        flat.index_copy_(0, self._slots(table, start, start + len(rows), f"{name} rows"), rows.to(flat.dtype))
 
     def free(self) -> None:
         if not self._freed:

@@ -82,6 +82,33 @@ def table_bytes(max_reqs: int, max_ctx: int) -> int:
     return 4 * max_reqs * (4 * max_ctx + max_ctx // 4 + max_ctx // 128)
 
 
+def fixed_pool_sizes(
+    layout: Dsv4MemoryLayout,
+    full_pages: int,
+    *,
+    max_reqs: int,
+    max_batched_tokens: int,
+    max_prefill_reqs: int | None = None,
+) -> PoolSizes:
+    """The SWA and state families by the formula above, with full_pages given."""
+    p = layout.page_size
+    prefill_reqs = max_reqs if max_prefill_reqs is None else max_prefill_reqs
+    swa = max_reqs * swa_pages_per_req(layout.window, p) + cdiv(max_batched_tokens, p)
+    c4s = (max_reqs * state_pages_per_req(4, p) + 2 * prefill_reqs) if layout.c4_layers else 0
+    c128s = (max_reqs * state_pages_per_req(128, p) + 2 * prefill_reqs) if layout.c128_layers else 0
+    return PoolSizes(full_pages=full_pages, swa_pages=swa, c4_state_pages=c4s, c128_state_pages=c128s)
+
+
+def pool_bytes(layout: Dsv4MemoryLayout, sizes: PoolSizes) -> int:
+    """Bytes the pools of `sizes` take, sentinel pages included (request tables excluded)."""
+    return (
+        (sizes.full_pages + 1) * full_page_bytes(layout)
+        + (sizes.swa_pages + 1) * swa_page_bytes(layout)
+        + (sizes.c4_state_pages + 1) * c4_state_page_bytes(layout)
+        + (sizes.c128_state_pages + 1) * c128_state_page_bytes(layout)
+    )
+
+
 def plan_pool_sizes(
     layout: Dsv4MemoryLayout,
     budget_bytes: int,
@@ -93,17 +120,11 @@ def plan_pool_sizes(
 ) -> PoolSizes:
     """Split budget_bytes between the four families (formula in the module docstring)."""
     p = layout.page_size
-    prefill_reqs = max_reqs if max_prefill_reqs is None else max_prefill_reqs
-    swa = max_reqs * swa_pages_per_req(layout.window, p) + cdiv(max_batched_tokens, p)
-    c4s = (max_reqs * state_pages_per_req(4, p) + 2 * prefill_reqs) if layout.c4_layers else 0
-    c128s = (max_reqs * state_pages_per_req(128, p) + 2 * prefill_reqs) if layout.c128_layers else 0
-    fixed = (
-        (swa + 1) * swa_page_bytes(layout)
-        + (c4s + 1) * c4_state_page_bytes(layout)
-        + (c128s + 1) * c128_state_page_bytes(layout)
-        + table_bytes(max_reqs, max_ctx)
+    fixed_sizes = fixed_pool_sizes(
+        layout, 0, max_reqs=max_reqs, max_batched_tokens=max_batched_tokens, max_prefill_reqs=max_prefill_reqs
     )
     per_full = full_page_bytes(layout)
+    fixed = pool_bytes(layout, fixed_sizes) - per_full + table_bytes(max_reqs, max_ctx)
     # A model without compressed layers: full pages cost nothing, give every request max_ctx.
     full = max_reqs * cdiv(max_ctx, p) if per_full == 0 else (budget_bytes - fixed) // per_full - 1
     if full < cdiv(max_ctx, p):
@@ -111,4 +132,9 @@ def plan_pool_sizes(
             f"budget {budget_bytes} B leaves {max(full, 0)} full pages; one request of max_ctx={max_ctx} "
             f"needs {cdiv(max_ctx, p)} (fixed part {fixed} B, {per_full} B per full page)"
         )
-    return PoolSizes(full_pages=full, swa_pages=swa, c4_state_pages=c4s, c128_state_pages=c128s)
+    return PoolSizes(
+        full_pages=full,
+        swa_pages=fixed_sizes.swa_pages,
+        c4_state_pages=fixed_sizes.c4_state_pages,
+        c128_state_pages=fixed_sizes.c128_state_pages,
+    )

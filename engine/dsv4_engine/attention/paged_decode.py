@@ -1,0 +1,189 @@
+"""Batched decode attention straight from the paged pools, driven only by static decode metadata.
+
+One token per batch row; every shape is fixed by the bucket (B rows) and the buffers (window W,
+page-table width), and nothing reads a value back to the host, so a graph backend can capture it.
+Padding rows (seq_len 0) compute garbage that is never kept: their pool writes go to slot 0 of the
+sentinel page with the sentinel's own values (KV 0; state kv 0 / score -inf), so page 0 stays clean.
+
+Per layer, in this order. Every pool is written before it is read (reads of the token's own slots
+substitute the fresh values), so a compiler updates the pools in place instead of copying them.
+1. SWA: write the token's K=V row at `out_swa_loc`, gather the window by `swa_slots` (-1 masked).
+2. Compressor (ratio 4 / 128), per row: write the token's (kv, score) state row at
+   `state_write_loc` (when `state_write_mask`), gather the stored state of the open block(s) by
+   `state_read_slots` and put the token's own row in its column, pool the window and write the
+   compressed row at `block_loc` (when `block_mask`: the token completes a block).
+3. Compressed keys: HCA attends to every row j < visible (gathered through `page_table`); CSA's
+   indexer scores every indexer row j < visible and a stable sort (ties to the lower row) picks
+   top-k, and only those k compressed rows are gathered.
+4. Softmax over [window | compressed | sink] per head, as `Dsv4Attention._attend`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..memory.pools import Dsv4TokenToKVPool
+from ..model.attention import Dsv4Attention
+from ..model.compressor import Compressor
+from ..model.ops import unweighted_rms_norm
+from ..rope import rotate
+from .metadata import AttentionMetadata, CompressMetadata
+
+NEG_INF = float("-inf")
+
+
+def _flat(buf: torch.Tensor) -> torch.Tensor:
+    return buf.view(-1, buf.shape[-1])
+
+
+class PoolViews:
+    """Flat `[slots, width]` views of every per-layer pool buffer (views share storage, so the
+    pointers a captured graph holds stay the pools' own)."""
+
+    def __init__(self, kv: Dsv4TokenToKVPool) -> None:
+        self.page_size = kv.layout.page_size
+        self.swa = {i: _flat(b) for i, b in kv.swa_kv.items()}
+        self.c4 = {i: _flat(b) for i, b in kv.c4_kv.items()}
+        self.c128 = {i: _flat(b) for i, b in kv.c128_kv.items()}
+        self.indexer = {i: _flat(b) for i, b in kv.indexer_kv.items()}
+        self.c4_state = {i: _flat(b) for i, b in kv.c4_state.items()}
+        self.c4_index_state = {i: _flat(b) for i, b in kv.c4_index_state.items()}
+        self.c128_state = {i: _flat(b) for i, b in kv.c128_state.items()}
+
+
+def all_row_slots(page_table: torch.Tensor, ratio: int, page_size: int) -> torch.Tensor:
+    """Slots `[B, N]` of compressed rows 0..N-1 of every request (N = pages * P / ratio)."""
+    per_page = page_size // ratio
+    j = torch.arange(page_table.shape[1] * per_page, device=page_table.device)
+    return page_table.to(torch.int64)[:, j // per_page] * per_page + j % per_page
+
+
+def _masked_put(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
+    """pool[slots] = rows where mask, else the KV sentinel (0) into slot 0 (which it already holds)."""
+    keep = mask[:, None]
+    pool.index_put_((torch.where(mask, slots, 0),), torch.where(keep, rows.to(pool.dtype), 0.0))
+
+
+def compress_decode(
+    comp: Compressor,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cm: CompressMetadata,
+    state: torch.Tensor,
+    rows_pool: torch.Tensor,
+) -> None:
+    """Advance one compressor by one token per row: state write and, where a block completes, its row."""
+    r, d, coff = comp.ratio, comp.head_dim, comp.coff
+    kv, gate = comp.project(x)  # [B, coff*D]
+    score = gate + comp.position_bias.index_select(0, positions % r)
+    own = torch.cat([kv.to(state.dtype), score.to(state.dtype)], dim=-1)  # [B, 2*coff*D]
+    half = coff * d
+    # Write before read (so a compiler updates the pool in place instead of copying it): the token's
+    # state row goes to its slot; masked rows rewrite the state sentinel (kv 0, score -inf) into slot 0.
+    # The read below never sees it: columns at or after the token's position are slot 0 there.
+    keep = cm.state_write_mask[:, None]
+    sentinel_score = torch.full_like(own[:, half:], NEG_INF)
+    masked = torch.cat(
+        [torch.where(keep, own[:, :half], 0.0), torch.where(keep, own[:, half:], sentinel_score)], dim=-1
+    )
+    state.index_put_((torch.where(cm.state_write_mask, cm.state_write_loc, 0),), masked)
+    width = cm.state_read_slots.shape[1]
+    stored = state[cm.state_read_slots]  # [B, width, 2*coff*D]; sentinel rows where not stored
+    col = torch.arange(width, device=x.device)[None, :] == (positions - cm.state_read_start)[:, None]
+    window = torch.where(col[..., None], own[:, None, :], stored)
+    if coff == 2:  # row b pools block b-1's first halves and block b's second halves
+        win_kv = torch.cat([window[:, :r, :d], window[:, r:, d:half]], dim=1)
+        win_score = torch.cat([window[:, :r, half : half + d], window[:, r:, half + d :]], dim=1)
+    else:
+        win_kv, win_score = window[..., :half], window[..., half:]
+    win_kv = win_kv.to(kv.dtype)
+    weights = win_score.to(score.dtype).softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
+    row = comp.kv_norm((win_kv * weights).sum(dim=1))  # [B, D]
+    cos, sin = comp.rope.lookup(cm.block_positions)
+    _masked_put(rows_pool, cm.block_loc, rotate(row, cos, sin), cm.block_mask)
+
+
+def _bias(visible: torch.Tensor) -> torch.Tensor:
+    return torch.where(visible, 0.0, NEG_INF)
+
+
+def paged_decode_attention(
+    attn: Dsv4Attention,
+    x: torch.Tensor,
+    meta: AttentionMetadata,
+    pools: PoolViews,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    for_compiler: bool = False,
+) -> torch.Tensor:
+    """`Dsv4Attention.forward` for one decode token per row `x [B, hidden]`, from the pools."""
+    layer, bsz = attn.layer, x.shape[0]
+    q_residual = attn.q_a_norm(attn.q_a_proj(x))
+    q = attn.q_b_proj(q_residual).view(bsz, attn.num_heads, attn.head_dim)
+    q = rotate(unweighted_rms_norm(q, attn.eps), cos[:, None], sin[:, None])
+    kv = rotate(attn.kv_norm(attn.kv_proj(x)), cos, sin)
+
+    valid = meta.seq_lens > 0
+    swa = pools.swa[layer]
+    _masked_put(swa, meta.out_swa_loc, kv, valid)
+    keys = swa[meta.swa_slots.clamp(min=0)].to(kv.dtype)  # [B, W, D], oldest first
+    bias = _bias(meta.swa_slots >= 0)
+
+    comp = attn.compressor
+    if comp is not None:
+        positions = meta.positions
+        if attn.ratio == 4:
+            cm = meta.c4
+            indexer = comp.indexer
+            compress_decode(comp, x, positions, cm, pools.c4_state[layer], pools.c4[layer])
+            compress_decode(indexer, x, positions, cm, pools.c4_index_state[layer], pools.indexer[layer])
+            slots = all_row_slots(meta.page_table, 4, pools.page_size)  # [B, N]
+            idx_q, idx_w = indexer.queries(x, q_residual, cos, sin)
+            idx_keys = pools.indexer[layer][slots].float()  # [B, N, Di]
+            scores = F.relu(torch.matmul(idx_q.float(), idx_keys.transpose(1, 2))) * indexer.softmax_scale
+            scores = (scores * idx_w[:, :, None]).sum(dim=1)  # [B, N]
+            rows = torch.arange(slots.shape[1], device=x.device)[None, :]
+            scores = scores.masked_fill(rows >= cm.visible[:, None], NEG_INF)
+            picked = _stable_topk(scores, min(indexer.topk, slots.shape[1]), for_compiler)
+            comp_keys = pools.c4[layer][slots.gather(1, picked)]
+            comp_bias = _bias(picked < cm.visible[:, None])
+        else:
+            cm = meta.c128
+            compress_decode(comp, x, positions, cm, pools.c128_state[layer], pools.c128[layer])
+            slots = all_row_slots(meta.page_table, 128, pools.page_size)
+            comp_keys = pools.c128[layer][slots]
+            rows = torch.arange(slots.shape[1], device=x.device)[None, :]
+            comp_bias = _bias(rows < cm.visible[:, None])
+        keys = torch.cat([keys, comp_keys.to(keys.dtype)], dim=1)
+        bias = torch.cat([bias, comp_bias], dim=1)
+
+    out = _attend(attn, q, keys, bias)
+    out = rotate(out, cos[:, None], -sin[:, None])  # undo RoPE carried by V
+    return attn.o_b_proj(attn.o_a_proj(out.reshape(bsz, attn.o_groups, -1)))
+
+
+def _stable_topk(scores: torch.Tensor, k: int, by_keys: bool) -> torch.Tensor:
+    """Indices of the k largest fp32 scores per row, ties to the lower index (`ops.stable_topk`).
+
+    by_keys: one `topk` over unique int64 keys (order-preserving integer image of the float, then
+    the reversed index) instead of a stable sort, which is an order of magnitude slower on small
+    rows here; the same indices (-0.0 is folded into +0.0 first: they tie in the float order).
+    """
+    if not by_keys:
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    n = scores.shape[-1]
+    bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64)
+    order = torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))  # monotone in the float value
+    rev = n - 1 - torch.arange(n, device=scores.device)
+    return torch.topk(order * n + rev, k, dim=-1).indices
+
+
+def _attend(attn: Dsv4Attention, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Softmax over [keys | sink] per head; `q [B, H, D]`, `keys [B, K, D]`, `bias [B, K]`."""
+    logits = torch.matmul(q, keys.transpose(1, 2)) * attn.scaling + bias[:, None, :].to(q.dtype)
+    sinks = attn.sinks.view(1, -1, 1).expand(q.shape[0], -1, 1)
+    logits = torch.cat([logits, sinks], dim=-1)  # sinks are fp32: promotes like the reference
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
+    return torch.matmul(probs, keys)  # [B, H, D]

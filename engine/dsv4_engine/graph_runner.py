@@ -1,0 +1,239 @@
+"""Decode for all running requests in one forward per step, replayable per batch-size bucket.
+
+`DecodeGraphRunner` owns the static decode state of every bucket: four small step inputs (token ids,
+request rows, positions, validity), the bucket's `DecodeBuffers` metadata and (graph mode) the
+output logits. The host pads a step to its bucket and copies the inputs; the step refreshes the
+metadata in place from the request tables, then runs the forward over the paged pools. Every one of
+these tensors keeps its `data_ptr()` for the runner's life, and the step reads nothing else but the
+weights, the tables and the pools:
+
+- `eager`: `decode_logits` in plain torch (the same code every other mode runs);
+- `compiled`: `torch.compile(fullgraph=True, dynamic=False)` once per bucket; artefacts go to
+  `TORCHINDUCTOR_CACHE_DIR` (default `$XDG_CACHE_HOME/dsv4/inductor`, i.e. `~/.cache/dsv4/inductor`),
+  never into the repository; `num_compiles` counts compile events (zero after warm-up);
+- `graph`: a device graph captured once per bucket and replayed (CUDA graphs on GPU, aclgraph on
+  Ascend through `device.graph_api`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from dsv4_engine.attention.decode_buffers import DEFAULT_BUCKETS, DecodeBuffers
+from dsv4_engine.attention.decode_fill import fill_decode_buffers, step_inputs
+from dsv4_engine.attention.paged_decode import PoolViews
+from dsv4_engine.memory.allocator import ExtendSpec
+from dsv4_engine.memory.pools import Dsv4TokenToKVPool
+from dsv4_engine.memory.req_to_token import Dsv4ReqPool
+from dsv4_engine.model.decode_step import decode_logits
+from dsv4_engine.model.model import Dsv4ForCausalLM
+
+Mode = Literal["eager", "compiled", "graph"]
+MODES: tuple[str, ...] = ("eager", "compiled", "graph")
+
+
+def default_decode_mode(device: torch.device, enforce_eager: bool) -> str:
+    """`eager` when eager is enforced; else a device graph on GPU/NPU, `torch.compile` on CPU."""
+    if enforce_eager:
+        return "eager"
+    return "graph" if device.type in ("cuda", "npu") else "compiled"
+
+
+def default_inductor_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dsv4" / "inductor"
+
+
+def set_inductor_cache() -> str:
+    """Point inductor's cache outside the repository unless the user already chose a folder."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_inductor_cache()))
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        model: Dsv4ForCausalLM,
+        kv_pool: Dsv4TokenToKVPool,
+        req_pool: Dsv4ReqPool,
+        max_context_len: int,
+        *,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        mode: Mode = "eager",
+        skip_guards: bool = True,
+    ) -> None:
+        """skip_guards (compiled mode): after a bucket's first call, evaluate only the guards that
+        tell buckets apart (`set_stance(skip_guard_eval_unsafe=True)`); every input is static by
+        construction, and full guard evaluation costs about as much as a fifth of the step."""
+        if mode not in MODES:
+            raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
+        self.model = model
+        self.layout = kv_pool.layout
+        self.req_pool = req_pool
+        self.mode = mode
+        self.device = model.device
+        self.max_positions = model.model.rope.max_positions
+        self.buffers = DecodeBuffers(self.layout, max_context_len, buckets, device=self.device)
+        self.pools = PoolViews(kv_pool)
+        # Per-bucket step inputs, the only tensors the host writes per step: token ids, request rows,
+        # positions, validity. The step itself refreshes the bucket's DecodeBuffers from them.
+        zeros = lambda bs: torch.zeros(bs, dtype=torch.long, device=self.device)  # noqa: E731
+        self.input_ids = {bs: zeros(bs) for bs in self.buckets}
+        self.req = {bs: zeros(bs) for bs in self.buckets}
+        self.pos = {bs: zeros(bs) for bs in self.buckets}
+        self.valid = {bs: torch.zeros(bs, dtype=torch.bool, device=self.device) for bs in self.buckets}
+        self.skip_guards = skip_guards
+        self.num_compiles = 0  # compile events (compiled mode) / captures (graph mode)
+        self._steps: dict[int, Callable[[], torch.Tensor]] = {}
+        self._graphs: dict[int, object] = {}
+        self._graph_out: dict[int, torch.Tensor] = {}
+        if mode == "compiled":
+            set_inductor_cache()
+            import torch._dynamo as dynamo
+
+            # Every bucket compiles the same function once: allow one entry per bucket.
+            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, len(self.buckets) + 1)
+            for t in self.static_tensors().values():
+                dynamo.mark_static_address(t)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.buffers.buckets
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a step reads or writes besides the weights: pools, metadata, inputs."""
+        out: dict[str, torch.Tensor] = {}
+        for group in ("swa", "c4", "c128", "indexer", "c4_state", "c4_index_state", "c128_state"):
+            for layer, t in getattr(self.pools, group).items():
+                out[f"pool.{group}.{layer}"] = t
+        for name in ("input_ids", "req", "pos", "valid"):
+            for bs, t in getattr(self, name).items():
+                out[f"{name}.{bs}"] = t
+        for name in ("req_to_token", *self.req_pool.DSV4_TABLES):
+            out[f"table.{name}"] = getattr(self.req_pool, name)
+        for bs in self.buckets:
+            for name, t in self.buffers.buffers(bs).tensors().items():
+                out[f"meta.{bs}.{name}"] = t
+        for bs, t in self._graph_out.items():
+            out[f"logits.{bs}"] = t
+        return out
+
+    # ---- one step -------------------------------------------------------------------------------
+    def prepare(self, specs: Sequence[ExtendSpec], token_ids: Sequence[int] | torch.Tensor) -> int:
+        """Copy the step's inputs into its bucket's static tensors (after `alloc_decode`); the bucket."""
+        n = len(specs)
+        if n == 0 or len(token_ids) != n:
+            raise ValueError(f"need one token id per request, got {len(token_ids)} for {n}")
+        if any(s.seq_len != s.prefix_len + 1 for s in specs):
+            raise ValueError("decode steps add exactly one token per request")
+        top = max(s.prefix_len for s in specs)
+        if top >= self.max_positions:
+            raise ValueError(f"position {top} exceeds max_positions {self.max_positions}")
+        bs = self.buffers.bucket_for(n)
+        req, pos, valid = step_inputs([s.req_idx for s in specs], [s.prefix_len for s in specs], bs)
+        ids = torch.zeros(bs, dtype=torch.long)
+        ids[:n] = torch.as_tensor(token_ids, dtype=torch.long)
+        with torch.inference_mode():  # the buffers may be inference tensors (runner built in one)
+            for dst, src in (
+                (self.req[bs], req),
+                (self.pos[bs], pos),
+                (self.valid[bs], valid),
+                (self.input_ids[bs], ids),
+            ):
+                dst.copy_(src)
+        return bs
+
+    def run(self, specs: Sequence[ExtendSpec], token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Logits `[len(specs), vocab]` of one decode token per request (`specs` as passed to
+        `alloc_decode`, which must have run); writes their KV, compressed rows and state."""
+        return self.step(self.prepare(specs, token_ids))[: len(specs)]
+
+    def step(self, bs: int) -> torch.Tensor:
+        """Run bucket `bs` on whatever its buffers hold now (padded rows are inert). Always under
+        inference mode, whatever the caller's grad mode: a compiled step guards on it."""
+        with torch.inference_mode():  # a capture records no autograd state either
+            fn = self._steps.get(bs)
+            if fn is None:
+                fn = self._steps[bs] = self._build(bs)
+            return fn()
+
+    def warmup(self, buckets: Sequence[int] | None = None) -> None:
+        """Compile / capture buckets ahead of traffic. Safe at any time: the buffers of a bucket not
+        in use hold padding, whose writes only rewrite the sentinel slot with sentinel values."""
+        for bs in buckets or self.buckets:
+            self._reset(bs)
+            self.step(bs)
+
+    def _reset(self, bs: int) -> None:
+        for name in ("input_ids", "req", "pos", "valid"):
+            getattr(self, name)[bs].zero_()  # all rows padding
+
+    # ---- modes ----------------------------------------------------------------------------------
+    def _eager_fn(self, bs: int) -> Callable[[], torch.Tensor]:
+        model, ids, meta, pools = self.model, self.input_ids[bs], self.buffers.buffers(bs), self.pools
+        req_pool, page_size = self.req_pool, self.layout.page_size
+        req, pos, valid = self.req[bs], self.pos[bs], self.valid[bs]
+        for_compiler = self.mode == "compiled"
+
+        def step() -> torch.Tensor:
+            fill_decode_buffers(meta, req_pool, page_size, req, pos, valid)
+            return decode_logits(model, ids, meta, pools, for_compiler=for_compiler)
+
+        return step
+
+    def _build(self, bs: int) -> Callable[[], torch.Tensor]:
+        eager = self._eager_fn(bs)
+        if self.mode == "eager":
+            return eager
+        if self.mode == "compiled":
+            compiled = torch.compile(eager, backend=self._counting_backend(), fullgraph=True, dynamic=False)
+            if not self.skip_guards:
+                return compiled
+            first = [True]
+
+            def replay() -> torch.Tensor:
+                if first[0]:  # compile (or load from the cache) under full guards
+                    first[0] = False
+                    return compiled()
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    return compiled()
+
+            return replay
+        return self._capture(bs, eager)
+
+    def _counting_backend(self) -> Callable:
+        def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            from torch._inductor.compile_fx import compile_fx
+
+            self.num_compiles += 1
+            return compile_fx(gm, example_inputs)
+
+        return backend
+
+    def _capture(self, bs: int, eager: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        from dsv4_engine.device import graph_api
+
+        api = graph_api(self.device)
+        # Warm up on a side stream (allocator pools, lazy inits), then capture one replayable step.
+        stream = api.stream()
+        stream.wait_stream(api.current_stream())
+        with api.use_stream(stream):
+            for _ in range(2):
+                eager()
+        api.current_stream().wait_stream(stream)
+        graph = api.graph()
+        with api.capture(graph):
+            out = eager()
+        self.num_compiles += 1
+        self._graphs[bs] = graph
+        self._graph_out[bs] = out
+
+        def replay() -> torch.Tensor:
+            graph.replay()  # type: ignore[attr-defined]
+            return out
+
+        return replay

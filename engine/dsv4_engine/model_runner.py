@@ -1,0 +1,130 @@
+"""Runs one scheduled step: the model's forward over the paged pools, then sampling.
+
+The scheduler has already allocated the step (`SchedulerOutput.bundle`); here each request gets a
+`PagedSeqCache` over its request-table row, the forward reads and writes the pools through it, and
+one token is sampled for every chunk that reaches its request's last known token. Decodes (one
+token per request, scheduled first) and prefill chunks run as two forwards, so the decode forward is
+one method with a fixed-shape input that a graph runner can take over.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_engine.memory import Dsv4Allocator, DSV4OutCacheLoc, Dsv4TokenToKVPool, ExtendSpec
+from dsv4_engine.memory.seq_cache import PagedSeqCache
+from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
+from dsv4_engine.sampler import sample
+from dsv4_engine.scheduler import ScheduledChunk, SchedulerOutput, Sequence
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Dsv4ForCausalLM,
+        kv_pool: Dsv4TokenToKVPool,
+        allocator: Dsv4Allocator,
+        *,
+        enforce_eager: bool = True,
+    ) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.allocator = allocator
+        self.device = model.device
+        self.enforce_eager = enforce_eager  # False lets a graph runner take over `decode`
+
+    # ---- caches --------------------------------------------------------------------------------
+    def _cache(self, seq: Sequence, start: int) -> PagedSeqCache:
+        """The request's view of its pages, positioned at `start` (a fresh one after (re)admission)."""
+        assert seq.req_idx is not None
+        cache = seq.cache
+        if not isinstance(cache, PagedSeqCache) or start == 0 or cache.req_idx != seq.req_idx:
+            cache = PagedSeqCache(self.kv_pool, self.allocator, seq.req_idx)
+            seq.cache = cache
+        cache.num_tokens = start
+        cache.new_step()
+        return cache
+
+    # ---- forwards ------------------------------------------------------------------------------
+    def prefill(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Run prefill chunks (any prefix: chunked prefill continues at `chunk.start`) in one
+        forward; logits `[n, V]` (fp32) of the last token of each chunk with `sample=True`, in order."""
+        batch = ForwardBatch.build(
+            [(self._cache(c.seq, c.start), c.token_ids) for c in chunks], device=self.device
+        )
+        hidden = self.model(batch)
+        last = [s.offset + s.length - 1 for c, s in zip(chunks, batch.seqs, strict=True) if c.sample]
+        if not last:
+            return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        rows = torch.tensor(last, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def decode(self, seqs: list[Sequence], specs: list[ExtendSpec], bundle: DSV4OutCacheLoc) -> torch.Tensor:
+        """One decode step for `seqs` (each adds its last token at position `spec.prefix_len`);
+        returns logits `[len(seqs), V]` (fp32), row i for seqs[i].
+
+        On entry the allocator has already allocated this step: `specs[i]` is seqs[i]'s
+        `prefix_len -> prefix_len + 1` and `bundle` holds exactly these requests' slots (the
+        out-cache locations, in the same order); the request tables (`allocator.req_pool`) map every
+        position to its pool slot. The method writes the new token's SWA KV, compressor state and
+        any completed compressed rows into the pools, since later steps read them from there.
+        `seq.cache` need not be kept in sync: every step repositions it.
+
+        `self.decode_mode` picks the path (set it on the instance; default from `enforce_eager`):
+        `eager` (default with enforce_eager), `compiled` (CPU without it) or `graph` (GPU/NPU
+        without it) run every request in one forward from the static decode buffers of the batch's
+        bucket (`graph_runner.DecodeGraphRunner`, docs/decode.md); `reference` runs the per-request
+        SeqCache forward below, which the batched step is tested against.
+        """
+        from dsv4_engine.graph_runner import DecodeGraphRunner, default_decode_mode
+
+        mode = getattr(self, "decode_mode", None) or default_decode_mode(self.device, self.enforce_eager)
+        runner = getattr(self, "_decode_runner", None)
+        if mode != "reference" and (runner is None or runner.mode != mode):
+            req_pool = self.allocator.req_pool
+            runner = self._decode_runner = DecodeGraphRunner(
+                self.model,
+                self.kv_pool,
+                req_pool,
+                req_pool.max_context_len,
+                mode=mode,  # type: ignore[arg-type]
+            )
+        if mode != "reference" and len(seqs) <= runner.buckets[-1]:
+            tokens = [seq.all_token_ids[spec.prefix_len] for seq, spec in zip(seqs, specs, strict=True)]
+            return runner.run(specs, tokens)
+        del bundle  # the reference path writes through the request tables
+        chunks = [
+            (self._cache(seq, spec.prefix_len), [seq.all_token_ids[spec.prefix_len]])
+            for seq, spec in zip(seqs, specs, strict=True)
+        ]
+        batch = ForwardBatch.build(chunks, device=self.device)
+        return self.model.compute_logits(self.model(batch))
+
+    # ---- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> dict[str, int]:
+        """Forward the step and sample: request id -> next token, for every chunk with sample=True."""
+        n_dec = 0
+        while n_dec < len(out.chunks) and out.chunks[n_dec].is_decode:
+            n_dec += 1
+        sampled_chunks: list[ScheduledChunk] = []
+        logits: list[torch.Tensor] = []
+        if n_dec:
+            decodes = out.chunks[:n_dec]
+            logits.append(
+                self.decode([c.seq for c in decodes], out.specs[:n_dec], out.bundle.select(0, n_dec))
+            )
+            sampled_chunks += decodes
+        if n_dec < len(out.chunks):
+            prefills = out.chunks[n_dec:]
+            logits.append(self.prefill(prefills))
+            sampled_chunks += [c for c in prefills if c.sample]
+        if not sampled_chunks:
+            return {}
+        seqs = [c.seq for c in sampled_chunks]
+        tokens = sample(
+            torch.cat(logits),
+            [s.params for s in seqs],
+            [s.generator for s in seqs],  # type: ignore[misc]
+        )
+        return {s.request_id: t for s, t in zip(seqs, tokens, strict=True)}

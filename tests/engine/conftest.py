@@ -1,0 +1,94 @@
+"""Fixtures for the engine tests: tiny checkpoints, HF references, engines built on demand."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4_engine.llm import LLM
+from dsv4_engine.make_tiny import make_tiny
+from dsv4_engine.testing import PARITY_CONFIGS, load_hf
+
+# Overrides of the tiny preset shared with the model tests (see dsv4_engine.testing).
+CONFIGS = PARITY_CONFIGS
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # The shared machine is oversubscribed: intra-op threads spin and slow small ops down.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dsv4_engine_ckpts")
+    return {name: make_tiny(root / name, seed=i, overrides=o) for i, (name, o) in enumerate(CONFIGS.items())}
+
+
+@pytest.fixture(scope="session")
+def hf_models(checkpoints: dict[str, Path]) -> Callable[[str], torch.nn.Module]:
+    cache: dict[str, torch.nn.Module] = {}
+
+    def get(name: str) -> torch.nn.Module:
+        if name not in cache:
+            cache[name] = load_hf(checkpoints[name])
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def make_llm(checkpoints: dict[str, Path]) -> Callable[..., LLM]:
+    """LLM(checkpoint name, **engine kwargs), fp32 on CPU; small pools unless told otherwise."""
+
+    def make(name: str = "A", **kwargs: object) -> LLM:
+        kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
+        kwargs.setdefault("max_num_seqs", 16)
+        kwargs.setdefault("num_pages", 256)
+        return LLM(checkpoints[name], dtype="float32", device="cpu", **kwargs)
+
+    return make
+
+
+def _assert_released(llm: LLM) -> None:
+    m = llm.engine.metrics()
+    for fam in ("full", "swa", "c4s", "c128s"):
+        assert m[f"pool_total/{fam}"] > 0, fam
+        assert m[f"pool_free/{fam}"] == m[f"pool_total/{fam}"], fam
+        assert m[f"pool_usage/{fam}"] == 0.0, fam
+    assert llm.engine.req_pool.available_size() == llm.engine.max_num_seqs
+    assert m["num_running"] == 0 and m["num_waiting"] == 0 and not llm.engine.requests
+
+
+@pytest.fixture
+def assert_released() -> Callable[[LLM], None]:
+    """Checks every page family and every request row is back at its initial free count."""
+    return _assert_released
+
+
+def _record_chunks(llm: LLM) -> list[tuple[str, int, int]]:
+    """Record (request id, start, end) of every chunk the engine's scheduler schedules from now on."""
+    sched = llm.engine.scheduler
+    log: list[tuple[str, int, int]] = []
+    schedule = sched.schedule
+
+    def recording():  # type: ignore[no-untyped-def]
+        out = schedule()
+        if out is not None:
+            log.extend((c.seq.request_id, c.start, c.end) for c in out.chunks)
+        return out
+
+    sched.schedule = recording  # type: ignore[method-assign]
+    return log
+
+
+@pytest.fixture
+def record_chunks() -> Callable[[LLM], list[tuple[str, int, int]]]:
+    return _record_chunks
