@@ -21,6 +21,19 @@ from dsv4_engine.model.ops import stable_topk
 
 PARITY_MARGIN = 1e-4
 
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread, restored afterwards. Tiny models on an oversubscribed machine
+    (CI's 2 shared cores) run many times slower with spinning intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 # Three schedules that differ in every dimension the issue names. Prompt lengths 129..700
 # give 32..175 CSA rows, so index_topk 16 and 40 bind while 256 never does.
 PARITY_CONFIGS: dict[str, dict] = {

@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from dsv4_engine.testing import one_thread
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here must work without a network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    # The shared 2-core machine is oversubscribed; torch's intra-op threads then spin and make
-    # small ops many times slower. One thread keeps these tiny models fast; restored afterwards.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    with one_thread():
-        yield
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread (see dsv4_engine.testing.one_thread)."""
 
 
 @pytest.fixture(scope="session")

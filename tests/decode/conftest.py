@@ -3,7 +3,6 @@ the reference SeqCache path, one by the graph runner) that allocate identically.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,11 +27,8 @@ MAX_CTX = 1024
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the shared cores are oversubscribed; intra-op threads would spin
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread (see dsv4_engine.testing.one_thread)."""
 
 
 @pytest.fixture(scope="session")

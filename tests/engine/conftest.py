@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from dsv4_engine.llm import LLM
-from dsv4_engine.make_tiny import make_tiny
-from dsv4_engine.testing import PARITY_CONFIGS, load_hf
+from dsv4_engine.testing import load_hf
 
-# Overrides of the tiny preset shared with the model tests (see dsv4_engine.testing).
-CONFIGS = PARITY_CONFIGS
 MAX_MODEL_LEN = 2048
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The shared machine is oversubscribed: intra-op threads spin and slow small ops down.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("dsv4_engine_ckpts")
-    return {name: make_tiny(root / name, seed=i, overrides=o) for i, (name, o) in enumerate(CONFIGS.items())}
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread (see dsv4_engine.testing.one_thread)."""
 
 
 @pytest.fixture(scope="session")

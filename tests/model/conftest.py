@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,27 +9,13 @@ import torch
 
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.loader import load_checkpoint
-from dsv4_engine.make_tiny import make_tiny
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
-from dsv4_engine.testing import PARITY_CONFIGS, hf_stable_topk, load_hf, random_ids
-
-CONFIGS = PARITY_CONFIGS
+from dsv4_engine.testing import hf_stable_topk, load_hf, random_ids
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The shared 2-core machine is oversubscribed; torch's intra-op threads then spin and make
-    # tiny ops 10x slower. One thread keeps these small models fast; restored afterwards.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("dsv4_model_ckpts")
-    return {name: make_tiny(root / name, seed=i, overrides=o) for i, (name, o) in enumerate(CONFIGS.items())}
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs torch on one thread (see dsv4_engine.testing.one_thread)."""
 
 
 def _load_ours(path: Path, dtype: torch.dtype = torch.float32, max_positions: int = 2048) -> Dsv4ForCausalLM:
