@@ -1,0 +1,167 @@
+"""The FastAPI app: routes, error shapes, middleware, and loading the engine in the background.
+
+The HTTP port answers from the first moment (503 on /health while loading) so that probes and the
+router see a live process; the engine loads in a daemon thread, then one warm-up request runs through
+the whole serving path, and only then does /health answer 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from dsv4_engine.server import openai_routes, sglang_routes
+from dsv4_engine.server.args import ServerSettings
+from dsv4_engine.server.errors import install_handlers
+from dsv4_engine.server.generation import GenSpec, Lease, outcomes, sampling_params, start
+from dsv4_engine.server.metrics import CONTENT_TYPE
+from dsv4_engine.server.middleware import ServingMiddleware
+from dsv4_engine.server.state import Phase, ServerContext
+
+log = logging.getLogger("dsv4.server")
+
+EngineFactory = Callable[[], Any]
+WARMUP_PROMPT = "Warm-up."
+WARMUP_TOKENS = 2
+
+
+def default_engine_factory(settings: ServerSettings) -> EngineFactory:
+    def build() -> Any:
+        from dsv4_engine.engine import LLMEngine
+
+        return LLMEngine(
+            settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_kwargs()
+        )
+
+    return build
+
+
+async def _load_in_thread(factory: EngineFactory) -> Any:
+    """Run the factory in a daemon thread (a stuck load must not block process exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # the server stopped while loading
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result = factory()
+        except BaseException as exc:
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, name="dsv4-load", daemon=True).start()
+    return await future
+
+
+async def warm_up(ctx: ServerContext) -> None:
+    """One short greedy request through the serving path (tokenizer, bridge, engine, detokenizer)."""
+    ids = list(ctx.tokenizer.encode(WARMUP_PROMPT)) or [0]
+    spec = GenSpec(temperature=0.0)
+    handle = start(ctx, ids, sampling_params(spec, WARMUP_TOKENS), arrival=time.monotonic(), observe=False)
+    lease = Lease(ctx, [handle], lambda: None)
+    try:
+        async with contextlib.aclosing(outcomes(ctx, handle, spec)) as items:
+            async for _ in items:
+                pass
+    finally:
+        lease.close()
+
+
+async def _start_serving(
+    ctx: ServerContext, factory: EngineFactory, on_fatal: Callable[[BaseException], None]
+) -> None:
+    started = time.monotonic()
+    try:
+        engine = await _load_in_thread(factory)
+        ctx.attach(engine, asyncio.get_running_loop())
+        log.info("engine loaded in %.1fs; warming up", time.monotonic() - started)
+        await warm_up(ctx)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        log.exception("engine failed to start")
+        ctx.load_error = exc
+        ctx.set_phase(Phase.DEAD)
+        on_fatal(exc)
+        return
+    if ctx.phase == Phase.LOADING:
+        ctx.set_phase(Phase.READY)
+        log.info("ready to serve %s after %.1fs", ctx.model_name, time.monotonic() - started)
+
+
+def create_app(
+    settings: ServerSettings,
+    engine_factory: EngineFactory | None = None,
+    *,
+    on_fatal: Callable[[BaseException], None] = lambda exc: None,
+) -> FastAPI:
+    ctx = ServerContext(settings)
+    factory = engine_factory or default_engine_factory(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(_start_serving(ctx, factory, on_fatal))
+        app.state.loader = loader
+        try:
+            yield
+        finally:
+            loader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await loader
+            ctx.close()
+
+    app = FastAPI(title="dsv4", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    install_handlers(app)
+    app.add_middleware(ServingMiddleware, api_key=settings.api_key)
+    app.include_router(openai_routes.router)
+    app.include_router(sglang_routes.router)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> Response:
+        if ctx.bridge is not None and ctx.bridge.dead is not None:
+            ctx.set_phase(Phase.DEAD)
+        status = 200 if ctx.phase == Phase.READY else 503
+        return JSONResponse({"status": ctx.phase.value}, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    def _model_card() -> dict[str, Any]:
+        return {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": int(ctx.started),
+            "owned_by": "dsv4",
+            "root": settings.model,
+            "max_model_len": ctx.facts.max_model_len if ctx.facts else None,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        if model != ctx.model_name:
+            raise ctx.model_not_found(model)
+        return _model_card()
+
+    return app

@@ -1,0 +1,230 @@
+"""Drives the single-threaded engine from one background thread; talks to asyncio without blocking it.
+
+The event loop never calls the engine. It appends commands (add, abort) to a deque and notifies a
+condition; the engine thread applies them between steps, runs `step()` while there is work, and hands
+each step's outputs back with one `loop.call_soon_threadsafe`. An idle engine thread sleeps on the
+condition. If `step()` raises, the engine is considered dead: every open request fails and the server
+reports unhealthy so that it gets restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("dsv4.server.bridge")
+
+
+@dataclass
+class TokenEvent:
+    """New tokens for one request, as delivered to the event loop."""
+
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    time: float
+
+
+@dataclass
+class ErrorEvent:
+    error: BaseException
+    kind: str = "refused"  # "refused": add_request raised; "dead": a step raised; "shutdown"
+
+
+@dataclass
+class RequestHandle:
+    """Loop-side end of one engine request."""
+
+    request_id: str
+    created: float
+    queue: asyncio.Queue[TokenEvent | ErrorEvent] = field(default_factory=asyncio.Queue)
+    done: bool = False  # the engine no longer holds the request (finished, aborted or failed)
+    num_tokens: int = 0
+    prompt_len: int = 0
+    observe: bool = True  # feed the latency histograms (not for warm-up and health probes)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: Any
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineBridge:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        on_tokens: Callable[[RequestHandle, TokenEvent], None] | None = None,
+        on_step: Callable[[float], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self._on_tokens = on_tokens
+        self._on_step = on_step  # called on the engine thread with each step's duration
+        self._cond = threading.Condition()
+        self._commands: deque[_Add | _Abort] = deque()
+        self._pending_adds = 0
+        self._handles: dict[str, RequestHandle] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._snapshot: dict[str, float] = {}
+        self.dead: BaseException | None = None
+        self.steps = 0
+
+    # ---- loop side -------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._refresh_snapshot()
+        self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
+        self._thread.start()
+
+    def add(
+        self, request_id: str, prompt_ids: list[int], params: Any, *, arrival: float | None = None
+    ) -> RequestHandle:
+        """Queue a request; its outputs arrive on the returned handle's queue."""
+        if self.dead is not None:
+            raise RuntimeError("engine is dead") from self.dead
+        handle = RequestHandle(request_id=request_id, created=arrival or time.monotonic())
+        self._handles[request_id] = handle
+        with self._cond:
+            self._commands.append(_Add(request_id, prompt_ids, params))
+            self._pending_adds += 1
+            self._cond.notify()
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Release the request in the engine (frees its pages). Safe to call more than once."""
+        if handle.done:
+            return
+        handle.done = True
+        self._handles.pop(handle.request_id, None)
+        with self._cond:
+            self._commands.append(_Abort(handle.request_id))
+            self._cond.notify()
+
+    def open_handles(self) -> list[RequestHandle]:
+        return list(self._handles.values())
+
+    def waiting(self) -> int:
+        """Requests not yet running: queued here plus waiting in the engine (as of its last step)."""
+        with self._cond:
+            return self._pending_adds + int(self._snapshot.get("num_waiting", 0))
+
+    def metrics(self) -> dict[str, float]:
+        return self._snapshot
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort every open request (so the engine's pools are whole again) and end the thread."""
+        for handle in self.open_handles():
+            self.abort(handle)
+            handle.queue.put_nowait(ErrorEvent(RuntimeError("server is shutting down"), "shutdown"))
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _deliver(self, outputs: list[Any], now: float) -> None:
+        for out in outputs:
+            handle = self._handles.get(out.request_id)
+            if handle is None:
+                continue  # aborted by us, or the warm-up of another bridge
+            event = TokenEvent(list(out.new_token_ids), bool(out.finished), out.finish_reason, now)
+            if event.finished:
+                handle.done = True
+                del self._handles[out.request_id]
+            if self._on_tokens is not None and event.token_ids:
+                self._on_tokens(handle, event)
+            handle.num_tokens += len(event.token_ids)
+            if event.token_ids:
+                handle.first_token_time = handle.first_token_time or now
+                handle.last_token_time = now
+            handle.queue.put_nowait(event)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            handle.done = True
+            handle.queue.put_nowait(ErrorEvent(error))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for handle in list(self._handles.values()):
+            handle.done = True
+            handle.queue.put_nowait(ErrorEvent(error, "dead"))
+        self._handles.clear()
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _refresh_snapshot(self) -> None:
+        try:
+            self._snapshot = dict(self.engine.metrics())
+        except Exception:  # metrics are best effort; never kill serving over them
+            log.exception("engine.metrics() failed")
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        engine = self.engine
+        if isinstance(cmd, _Add):
+            try:
+                engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id)
+            except Exception as exc:  # a request the engine refuses fails alone
+                self._post(self._fail, cmd.request_id, exc)
+        else:
+            try:
+                engine.abort_request(cmd.request_id)
+            except Exception:  # already finished inside the engine: nothing to free
+                log.debug("abort of %s ignored", cmd.request_id, exc_info=True)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed under us at shutdown; nobody is listening any more
+            log.debug("event loop closed; dropped %s", getattr(fn, "__name__", fn))
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not self._stop and not self._commands and not engine.has_unfinished():
+                    self._cond.wait()
+                # Apply under the lock so waiting() never misses a request between here and the engine.
+                while self._commands:
+                    cmd = self._commands.popleft()
+                    if isinstance(cmd, _Add):
+                        self._pending_adds -= 1
+                        if self._stop:
+                            continue  # its handle was already failed by stop()
+                    self._apply(cmd)
+                self._refresh_snapshot()
+                if self._stop:
+                    return
+            if not engine.has_unfinished():
+                continue
+            started = time.perf_counter()
+            try:
+                outputs = engine.step()
+            except BaseException as exc:
+                log.exception("engine step failed; the engine is now unusable")
+                self.dead = exc
+                self._post(self._fail_all, exc)
+                return
+            self.steps += 1
+            if self._on_step is not None:
+                self._on_step(time.perf_counter() - started)
+            self._refresh_snapshot()
+            if outputs:
+                self._post(self._deliver, outputs, time.monotonic())

@@ -1,0 +1,46 @@
+"""Incremental detokenisation that never emits half a character.
+
+Decoding each token on its own breaks multibyte characters (a byte-level BPE token can hold part of a
+UTF-8 sequence) and drops the leading space some tokenizers add only between tokens. So we decode a
+short window of tokens with its left context and emit only what the window added, and only once the
+window no longer ends in U+FFFD (an incomplete sequence). The pieces joined equal
+`tokenizer.decode(all_ids)` for the byte-level tokenizers DSV4 ships; the tests check that property.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas; one instance per generated sequence."""
+
+    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self.token_ids: list[int] = []
+        # token_ids[_prefix:_read] is context already emitted; token_ids[_read:] is not yet emitted.
+        self._prefix = 0
+        self._read = 0
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def push(self, new_ids: list[int], *, final: bool = False) -> str:
+        """Add tokens; return the newly complete text (possibly empty). `final` flushes everything."""
+        self.token_ids.extend(new_ids)
+        if self._read == len(self.token_ids):
+            return ""
+        context = self._decode(self.token_ids[self._prefix : self._read])
+        window = self._decode(self.token_ids[self._prefix :])
+        if not final and (len(window) <= len(context) or window.endswith(_REPLACEMENT)):
+            return ""  # nothing printable yet, or the last character is still incomplete
+        # Only the part past the old context is new; text already sent is never repeated or retracted.
+        delta = window[len(context) :]
+        self._prefix = self._read
+        self._read = len(self.token_ids)
+        self.text += delta
+        return delta

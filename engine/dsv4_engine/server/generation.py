@@ -1,0 +1,208 @@
+"""One prompt through the engine: tokens in, text pieces and a final outcome out.
+
+Shared by /v1/completions, /v1/chat/completions and /generate so that every endpoint streams and
+finishes the same way: incremental detokenisation, stop strings cut across token boundaries, the
+engine request aborted as soon as a stop string matches or the caller goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.server.bridge import ErrorEvent, RequestHandle
+from dsv4_engine.server.detokenizer import IncrementalDetokenizer
+from dsv4_engine.server.errors import ApiError, bad_request, unavailable
+from dsv4_engine.server.state import ServerContext
+from dsv4_engine.server.stops import StopMatcher
+
+log = logging.getLogger("dsv4.server")
+
+
+@dataclass
+class GenSpec:
+    """What the endpoint asks of one sequence, beyond the prompt."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class Piece:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Outcome:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" | "length" | "abort"
+    matched_stop: str | int | None = None
+    ttft: float | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def sampling_params(spec: GenSpec, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,
+            max_tokens=max_tokens,
+            ignore_eos=spec.ignore_eos,
+            seed=spec.seed,
+            stop_token_ids=list(spec.stop_token_ids),
+        )
+    except ValueError as exc:  # SamplingParams names the field in its message
+        raise bad_request(str(exc)) from exc
+
+
+def resolve_max_tokens(
+    ctx: ServerContext, prompt_len: int, requested: int | None, *, prompt_param: str, limit_param: str
+) -> int:
+    """The engine's max_tokens: as requested (400 if it does not fit), or whatever the context leaves."""
+    assert ctx.facts is not None
+    limit = ctx.facts.max_model_len
+    if prompt_len >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} tokens.",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion).",
+            limit_param,
+            "context_length_exceeded",
+        )
+    return requested
+
+
+def check_token_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
+    assert ctx.facts is not None
+    vocab = ctx.facts.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
+
+
+class Lease:
+    """Sequences started for one HTTP request; `close()` aborts any still running and ends the
+    request's in-flight count. Idempotent, so every exit path may call it."""
+
+    def __init__(self, ctx: ServerContext, handles: list[RequestHandle], release: Callable[[], None]) -> None:
+        self.ctx = ctx
+        self.handles = handles
+        self._release = release
+
+    def close(self) -> None:
+        bridge = self.ctx.bridge
+        for handle in self.handles:
+            if bridge is not None:
+                bridge.abort(handle)
+        self._release()
+
+
+def start_all(
+    ctx: ServerContext, prompts: list[list[int]], params: list[Any], *, arrival: float, observe: bool = True
+) -> Lease:
+    """Admit and start every sequence of one HTTP request (no await between admission and engine)."""
+    ctx.check_admission(len(prompts))
+    release = ctx.enter()
+    handles: list[RequestHandle] = []
+    try:
+        for ids, p in zip(prompts, params, strict=True):
+            handles.append(start(ctx, ids, p, arrival=arrival, observe=observe))
+    except BaseException:
+        Lease(ctx, handles, release).close()
+        raise
+    return Lease(ctx, handles, release)
+
+
+def start(
+    ctx: ServerContext, prompt_ids: list[int], params: Any, *, arrival: float, observe: bool = True
+) -> RequestHandle:
+    """Hand one prompt to the engine (no await between admission and this call)."""
+    bridge = ctx.bridge
+    assert bridge is not None
+    try:
+        handle = bridge.add(uuid.uuid4().hex, prompt_ids, params, arrival=arrival)
+    except RuntimeError as exc:
+        raise unavailable("the engine failed; the server must be restarted", retry_after=5) from exc
+    handle.prompt_len = len(prompt_ids)
+    handle.observe = observe
+    return handle
+
+
+async def outcomes(
+    ctx: ServerContext, handle: RequestHandle, spec: GenSpec
+) -> AsyncIterator[Piece | Outcome]:
+    """Yield text pieces as they become final, then one Outcome. Aborts the engine request on exit."""
+    bridge = ctx.bridge
+    assert bridge is not None
+    detok = IncrementalDetokenizer(ctx.tokenizer, skip_special_tokens=spec.skip_special_tokens)
+    stops = StopMatcher(spec.stop)
+    ended = {*spec.stop_token_ids, *(ctx.facts.eos_token_ids if ctx.facts else [])}
+    sent: list[str] = []  # exactly what the caller received
+    try:
+        while True:
+            event = await handle.queue.get()
+            if isinstance(event, ErrorEvent):
+                if event.kind == "dead":
+                    raise unavailable("the engine failed; the server must be restarted", retry_after=5)
+                if event.kind == "shutdown":
+                    raise unavailable("the server is shutting down", code="server_stopped")
+                raise ApiError(400, f"the engine refused the request: {event.error}", code="engine_rejected")
+            final = event.finished
+            text = stops.push(detok.push(event.token_ids, final=final), final=final)
+            sent.append(text)
+            if stops.matched is not None:
+                bridge.abort(handle)  # stop string reached: free the engine's pages now
+                if text:
+                    yield Piece(text, event.token_ids)
+                yield _outcome(handle, sent, detok, "stop", stops.matched)
+                return
+            if text or event.token_ids:
+                yield Piece(text, event.token_ids)
+            if final:
+                reason = event.finish_reason or "stop"
+                matched = None
+                if reason == "stop" and detok.token_ids and detok.token_ids[-1] in ended:
+                    matched = detok.token_ids[-1]
+                yield _outcome(handle, sent, detok, reason, matched)
+                return
+    except asyncio.CancelledError:
+        log.info("request %s cancelled (client gone); aborting it in the engine", handle.request_id)
+        raise
+    finally:
+        bridge.abort(handle)  # no-op when the engine already finished it
+
+
+def _outcome(
+    handle: RequestHandle,
+    sent: list[str],
+    detok: IncrementalDetokenizer,
+    reason: str,
+    matched: str | int | None,
+) -> Outcome:
+    ttft = None if handle.first_token_time is None else handle.first_token_time - handle.created
+    return Outcome("".join(sent), list(detok.token_ids), handle.prompt_len, reason, matched, ttft)

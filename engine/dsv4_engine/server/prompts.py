@@ -1,0 +1,92 @@
+"""Prompts to token ids: plain text, token ids, and chat messages through the tokenizer's template."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from dsv4_engine.server.errors import bad_request
+from dsv4_engine.server.generation import check_token_ids
+from dsv4_engine.server.protocol import ChatCompletionRequest
+from dsv4_engine.server.state import ServerContext
+
+# Tokenising this much text inline would hold the event loop for more than about a millisecond.
+_INLINE_CHARS = 2048
+_RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "sanitize_control_tokens",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
+
+
+async def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    if isinstance(prompt, list):
+        check_token_ids(ctx, prompt, param)
+        return prompt
+    if len(prompt) <= _INLINE_CHARS:
+        ids = ctx.tokenizer.encode(prompt)
+    else:
+        ids = await asyncio.to_thread(ctx.tokenizer.encode, prompt)
+    if not ids:
+        raise bad_request("the prompt is empty after tokenisation", param)
+    return list(ids)
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for m in req.messages:
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
+        out.append(msg)
+    return out
+
+
+def _render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if clash:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
+    cont = bool(req.continue_final_message)
+    add_prompt = (not cont) if req.add_generation_prompt is None else req.add_generation_prompt
+    try:
+        encoded = tokenizer.apply_chat_template(
+            _messages(req),
+            add_generation_prompt=add_prompt,
+            continue_final_message=cont,
+            tokenize=True,
+            return_dict=True,
+            # Special tokens typed into messages stay text: users cannot forge turns or EOS.
+            sanitize_control_tokens=True,
+            **kwargs,
+        )
+    except Exception as exc:  # jinja raise_exception(), bad kwargs: the request is at fault
+        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from exc
+    ids = encoded["input_ids"]
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(t) for t in ids]
+
+
+async def encode_chat(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
+    if getattr(ctx.tokenizer, "chat_template", None) is None:
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    ids = await asyncio.to_thread(_render_chat, ctx.tokenizer, req)
+    if not ids:
+        raise bad_request("the chat template produced an empty prompt", "messages")
+    return ids

@@ -1,0 +1,318 @@
+"""Request models with OpenAI (and SGLang `/generate`) field names.
+
+Every field is either honoured or rejected with a 400 that names it: unknown fields are forbidden,
+and fields we cannot honour accept only the value that means "feature off" (sglang-router 0.3.2
+re-serialises requests and always sends some of those, e.g. `logprobs: false`,
+`skip_special_tokens: true`). Types are strict: `"16"` is not an integer, `1` is not a boolean.
+"""
+
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from dsv4_engine.server.errors import UNSUPPORTED_MARK
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+_U64 = 2**64
+_I64 = 2**63
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _same(value: Any, ok: Any) -> bool:
+    if isinstance(ok, bool) or isinstance(value, bool):
+        return value is ok
+    if isinstance(ok, float) and isinstance(value, int | float):
+        return value == ok
+    return type(value) is type(ok) and value == ok
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def off(*allowed: Any) -> Any:
+    """Type of a field we cannot honour: only the listed 'feature off' values pass."""
+
+    def check(value: Any) -> Any:
+        if any(_same(value, ok) for ok in allowed):
+            return value
+        raise ValueError(f"is {UNSUPPORTED_MARK} (accepted: {', '.join(map(_show, allowed))})")
+
+    return Annotated[Any, BeforeValidator(check)]
+
+
+def _check_top_k(v: int | None) -> int | None:
+    if v == 0:
+        raise ValueError("top_k must be -1 (disabled) or at least 1")
+    return v
+
+
+def _check_stop(v: str | list[str] | None) -> str | list[str] | None:
+    items = [v] if isinstance(v, str) else v or []
+    if len(items) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
+    if any(not s or len(s) > MAX_STOP_LEN for s in items):
+        raise ValueError(f"stop sequences must be 1 to {MAX_STOP_LEN} characters")
+    return v
+
+
+def _check_token_ids(v: list[int] | None) -> list[int] | None:
+    if v is not None and any(t < 0 or t >= _I64 for t in v):
+        raise ValueError("token ids must be non-negative")
+    return v
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk
+
+
+class _Sampling(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)
+    seed: int | None = Field(None, ge=0, lt=_I64)
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    # SGLang/vLLM extensions that the engine honours.
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    sampling_seed: int | None = Field(None, ge=0, lt=_I64)
+    # PD fields injected by sglang-router; the server's role decides whether they are accepted.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = Field(None, ge=0, le=65535)
+    bootstrap_room: int | None = Field(None, ge=0, lt=_U64)
+    bootstrap_pair_key: str | None = None
+    # Accepted only as "off".
+    n: off(None, 1) = None
+    best_of: off(None, 1) = None
+    frequency_penalty: off(None, 0.0) = None
+    presence_penalty: off(None, 0.0) = None
+    repetition_penalty: off(None, 1.0) = None
+    logit_bias: off(None, {}) = None
+    min_p: off(None, 0.0) = None
+    min_tokens: off(None, 0) = None
+    no_stop_trim: off(None, False) = None
+    regex: off(None) = None
+    ebnf: off(None) = None
+    json_schema: off(None) = None
+    lora_path: off(None) = None
+    session_params: off(None) = None
+    return_hidden_states: off(None, False) = None
+    data_parallel_rank: off(None, 0) = None
+    service_tier: off(None, "auto", "default") = None
+    store: off(None, False) = None
+    metadata: off(None) = None
+    prompt_cache_key: off(None) = None
+
+    _top_k = field_validator("top_k")(classmethod(lambda cls, v: _check_top_k(v)))
+    _stop = field_validator("stop")(classmethod(lambda cls, v: _check_stop(v)))
+    _ids = field_validator("stop_token_ids")(classmethod(lambda cls, v: _check_token_ids(v)))
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> Self:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+TokenIds = list[int]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    echo: bool | None = None
+    logprobs: off(None) = None
+    suffix: off(None, "") = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(v, list) and isinstance(v[0], list) and any(not p for p in v):
+            raise ValueError("token-id prompts must not be empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of single prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+def _text_only(value: Any) -> Any:
+    if value != "text":
+        raise ValueError(f"{value!r} is {UNSUPPORTED_MARK} (accepted: 'text')")
+    return value
+
+
+class TextPart(_Strict):
+    type: Annotated[str, BeforeValidator(_text_only)]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: off(None, []) = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    # sglang-router sends these; with no reasoning parser the whole answer is `content` either way.
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    logprobs: off(None, False) = None
+    top_logprobs: off(None) = None
+    response_format: off(None, {"type": "text"}) = None
+    tools: off(None, []) = None
+    tool_choice: off(None, "none") = None
+    parallel_tool_calls: off(None, True, False) = None
+    functions: off(None, []) = None
+    function_call: off(None, "none") = None
+    modalities: off(None, ["text"]) = None
+    audio: off(None) = None
+    prediction: off(None) = None
+    reasoning_effort: off(None) = None
+    verbosity: off(None) = None
+    web_search_options: off(None) = None
+
+    @model_validator(mode="after")
+    def _continue_needs_assistant(self) -> Self:
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be from the assistant")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class GenerateSamplingParams(_Strict):
+    """SGLang's `sampling_params` for `/generate`."""
+
+    max_new_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)  # SGLang sets no upper bound
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    sampling_seed: int | None = Field(None, ge=0, lt=_I64)
+    spaces_between_special_tokens: off(None, True) = None
+    n: off(None, 1) = None
+    frequency_penalty: off(None, 0.0) = None
+    presence_penalty: off(None, 0.0) = None
+    repetition_penalty: off(None, 1.0) = None
+    min_p: off(None, 0.0) = None
+    min_new_tokens: off(None, 0) = None
+    no_stop_trim: off(None, False) = None
+    json_schema: off(None) = None
+    regex: off(None) = None
+    ebnf: off(None) = None
+    logit_bias: off(None, {}) = None
+    custom_params: off(None) = None
+    stream_interval: off(None, 1) = None
+
+    _top_k = field_validator("top_k")(classmethod(lambda cls, v: _check_top_k(v)))
+    _stop = field_validator("stop")(classmethod(lambda cls, v: _check_stop(v)))
+    _ids = field_validator("stop_token_ids")(classmethod(lambda cls, v: _check_token_ids(v)))
+
+
+class GenerateRequest(_Strict):
+    """SGLang's native `/generate` request (what sglang-router forwards to `/generate`)."""
+
+    text: str | list[str] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
+    model: str | None = None  # sglang-router adds `"model": null`
+    sampling_params: GenerateSamplingParams | None = None
+    stream: bool | None = None
+    rid: str | list[str] | None = None
+    log_metrics: bool | None = None
+    no_logs: bool | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
+    bootstrap_pair_key: str | list[str] | None = None
+    return_logprob: off(None, False) = None
+    logprob_start_len: off(None, -1) = None
+    top_logprobs_num: off(None, 0) = None
+    token_ids_logprob: off(None) = None
+    return_text_in_logprobs: off(None, False) = None
+    return_hidden_states: off(None, False) = None
+    input_embeds: off(None) = None
+    image_data: off(None) = None
+    video_data: off(None) = None
+    audio_data: off(None) = None
+    modalities: off(None) = None
+    session_params: off(None) = None
+    lora_path: off(None) = None
+    lora_id: off(None) = None
+    custom_logit_processor: off(None) = None
+    data_parallel_rank: off(None, 0) = None
+    background: off(None, False) = None
+    conversation_id: off(None) = None
+    priority: off(None) = None
+    extra_key: off(None) = None
+    custom_labels: off(None) = None
+    return_bytes: off(None, False) = None
+    return_entropy: off(None, False) = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> Self:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of text or input_ids must be given")
+        if isinstance(self.text, list) and not self.text:
+            raise ValueError("text must not be an empty list")
+        ids = self.input_ids
+        if ids is not None and (not ids or (isinstance(ids[0], list) and any(not p for p in ids))):
+            raise ValueError("input_ids must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.text is not None:
+            return [self.text] if isinstance(self.text, str) else list(self.text)
+        ids = self.input_ids or []
+        return [list(ids)] if isinstance(ids[0], int) else list(ids)  # type: ignore[arg-type]
+
+    def is_batch(self) -> bool:
+        return isinstance(self.text, list) or bool(self.input_ids and isinstance(self.input_ids[0], list))

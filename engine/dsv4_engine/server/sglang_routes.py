@@ -1,0 +1,295 @@
+"""What sglang-router 0.3.2 calls on a worker besides the OpenAI routes.
+
+Registration: GET /health, then /server_info (falls back to /get_server_info on 404) and /model_info
+(or /get_model_info). Runtime: GET /health every interval, /health_generate, /get_load (a list of
+per-DP-rank loads whose `num_tokens` it sums), POST /flush_cache, and SGLang's native POST /generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.background import BackgroundTask
+
+from dsv4_engine.server.errors import ApiError, bad_request, unavailable
+from dsv4_engine.server.generation import (
+    GenSpec,
+    Lease,
+    Outcome,
+    Piece,
+    outcomes,
+    resolve_max_tokens,
+    sampling_params,
+    start,
+    start_all,
+)
+from dsv4_engine.server.openai_routes import check_pd_fields, finished
+from dsv4_engine.server.prompts import encode_prompt
+from dsv4_engine.server.protocol import GenerateRequest, stop_list
+from dsv4_engine.server.state import Phase, ServerContext
+from dsv4_engine.server.streaming import DONE, ClientGone, merge, sse, sse_response, unless_disconnected
+
+router = APIRouter()
+
+GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+HEALTH_GENERATE_TIMEOUT = 20.0
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("dsv4")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+def server_info(ctx: ServerContext) -> dict[str, Any]:
+    s = ctx.settings
+    snap = ctx.bridge.metrics() if ctx.bridge is not None else {}
+    return {
+        "model_path": s.model,
+        "served_model_name": ctx.model_name,
+        "tokenizer_path": s.model,
+        "version": _version(),
+        "dtype": s.dtype,
+        "device": s.device,
+        "tp_size": s.tp_size,
+        "ep_size": s.ep_size,
+        "dp_size": 1,
+        "disaggregation_mode": s.disaggregation_mode,
+        "disaggregation_bootstrap_port": s.bootstrap_port,
+        "disaggregation_transfer_backend": s.transfer_protocol,
+        "page_size": s.page_size,
+        "context_length": ctx.facts.max_model_len if ctx.facts else s.max_model_len,
+        "chunked_prefill_size": s.chunked_prefill_size,
+        "max_running_requests": s.max_num_seqs,
+        "max_waiting": s.max_waiting,
+        "status": ctx.phase.value,
+        "internal_states": [
+            {"num_running": snap.get("num_running", 0), "num_waiting": snap.get("num_waiting", 0)}
+        ],
+    }
+
+
+def model_info(ctx: ServerContext) -> dict[str, Any]:
+    facts = ctx.facts
+    return {
+        "model_path": ctx.settings.model,
+        "tokenizer_path": ctx.settings.model,
+        "served_model_name": ctx.model_name,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "model_type": facts.model_type if facts else None,
+        "architectures": facts.architectures if facts else None,
+        "max_context_length": facts.max_model_len if facts else None,
+        "vocab_size": facts.vocab_size if facts else None,
+        "eos_token_ids": facts.eos_token_ids if facts else None,
+    }
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    return server_info(_ctx(request))
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    if ctx.facts is None:
+        raise unavailable("the model is still loading", retry_after=5, code="server_loading")
+    return model_info(ctx)
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> list[dict[str, Any]]:
+    ctx = _ctx(request)
+    snap = ctx.bridge.metrics() if ctx.bridge is not None else {}
+    handles = ctx.bridge.open_handles() if ctx.bridge is not None else []
+    waiting = ctx.bridge.waiting() if ctx.bridge is not None else 0
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": int(snap.get("num_running", 0)) + waiting,
+            "num_waiting_reqs": waiting,
+            "num_tokens": sum(h.prompt_len + h.num_tokens for h in handles),
+            "ts_tic": time.time(),
+        }
+    ]
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> PlainTextResponse:
+    _ctx(request)
+    # The engine keeps no prefix cache across requests, so there is nothing to flush.
+    return PlainTextResponse("Cache flushed.\n")
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """200 once one token went through the engine; 503 when not serving or the engine is stuck."""
+    ctx = _ctx(request)
+    if ctx.phase != Phase.READY:
+        raise unavailable(f"server is {ctx.phase.value}", code=f"server_{ctx.phase.value}")
+    arrival = time.monotonic()
+    ids = [ctx.facts.eos_token_ids[0] if ctx.facts and ctx.facts.eos_token_ids else 0]
+    spec = GenSpec(temperature=0.0)
+    release = ctx.enter()
+    lease = Lease(ctx, [], release)
+    try:
+        handle = start(ctx, ids, sampling_params(spec, 1), arrival=arrival, observe=False)
+        lease.handles.append(handle)
+        async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT):
+            async with contextlib.aclosing(outcomes(ctx, handle, spec)) as items:
+                async for _ in items:
+                    pass
+    except TimeoutError as exc:
+        raise unavailable("the engine produced no token in time", code="engine_stuck") from exc
+    finally:
+        lease.close()
+    return Response(status_code=200)
+
+
+def _spec(req: GenerateRequest) -> GenSpec:
+    sp = req.sampling_params
+    if sp is None:
+        return GenSpec()
+    return GenSpec(
+        temperature=1.0 if sp.temperature is None else sp.temperature,
+        top_p=1.0 if sp.top_p is None else sp.top_p,
+        top_k=-1 if sp.top_k is None else sp.top_k,
+        ignore_eos=bool(sp.ignore_eos),
+        seed=sp.sampling_seed,
+        stop=stop_list(sp.stop),
+        stop_token_ids=list(sp.stop_token_ids or []),
+        skip_special_tokens=True if sp.skip_special_tokens is None else sp.skip_special_tokens,
+    )
+
+
+def _finish(out: Outcome) -> dict[str, Any]:
+    if out.finish_reason == "length":
+        return {"type": "length", "length": out.completion_tokens}
+    if out.finish_reason == "stop":
+        return {"type": "stop", "matched": out.matched_stop}
+    return {"type": out.finish_reason, "message": "request aborted"}
+
+
+def _result(
+    rid: str, text: str, ids: list[int], prompt_tokens: int, out: Outcome | None, arrival: float
+) -> dict[str, Any]:
+    return {
+        "text": text,
+        "output_ids": list(ids),
+        "meta_info": {
+            "id": rid,
+            "finish_reason": None if out is None else _finish(out),
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "e2e_latency": time.monotonic() - arrival,
+            "weight_version": "default",
+        },
+    }
+
+
+@router.post("/generate", response_model=None)
+async def generate(req: GenerateRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    ctx = _ctx(request)
+    ctx.check_admission(0)
+    ctx.require_model(req.model)
+    check_pd_fields(ctx, req)
+    if req.stream and req.is_batch():
+        raise bad_request("stream=true needs a single prompt, not a batch", "stream")
+    texts = req.prompts()
+    prompts = [await encode_prompt(ctx, p, "text" if req.text is not None else "input_ids") for p in texts]
+    rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
+    if len(rids) != len(prompts):
+        raise bad_request("rid must have one entry per prompt", "rid")
+    rids = [r or uuid.uuid4().hex for r in rids]
+    spec = _spec(req)
+    requested = GENERATE_DEFAULT_MAX_NEW_TOKENS
+    if req.sampling_params is not None and req.sampling_params.max_new_tokens is not None:
+        requested = req.sampling_params.max_new_tokens
+    prompt_param = "text" if req.text is not None else "input_ids"
+    params = [
+        sampling_params(
+            spec,
+            resolve_max_tokens(
+                ctx,
+                len(p),
+                requested,
+                prompt_param=prompt_param,
+                limit_param="sampling_params.max_new_tokens",
+            ),
+        )
+        for p in prompts
+    ]
+    log_metrics = req.log_metrics is not False  # SGLang's switch, e.g. for probes
+    lease = start_all(ctx, prompts, params, arrival=arrival, observe=log_metrics)
+    streams = [outcomes(ctx, h, spec) for h in lease.handles]
+    if req.stream:
+        flags = {"metrics": log_metrics, "logs": not req.no_logs}
+        body = _stream(ctx, request, streams[0], lease, rids[0], len(prompts[0]), arrival, flags)
+        return sse_response(body, background=BackgroundTask(lease.close))
+
+    async def collect() -> list[Outcome]:
+        results: list[Outcome | None] = [None] * len(streams)
+        async for i, item in merge(streams):
+            if isinstance(item, Outcome):
+                results[i] = item
+                finished(ctx, request, "generate", item, arrival, metrics=log_metrics, logs=not req.no_logs)
+        return [r for r in results if r is not None]
+
+    try:
+        outs = await unless_disconnected(request, collect)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        lease.close()
+    results = [_result(rids[i], o.text, o.token_ids, o.prompt_tokens, o, arrival) for i, o in enumerate(outs)]
+    return JSONResponse(results if req.is_batch() else results[0])
+
+
+async def _stream(
+    ctx: ServerContext,
+    request: Request,
+    stream: AsyncIterator[Piece | Outcome],
+    lease: Lease,
+    rid: str,
+    prompt_tokens: int,
+    arrival: float,
+    flags: dict[str, bool],
+) -> AsyncIterator[bytes]:
+    # SGLang streams cumulative text and output_ids in every chunk.
+    metrics, logs = flags["metrics"], flags["logs"]
+    text, ids = "", []
+    try:
+        async with contextlib.aclosing(stream) as items:
+            async for item in items:
+                if isinstance(item, Piece):
+                    text += item.text
+                    ids.extend(item.token_ids)
+                    yield sse(_result(rid, text, ids, prompt_tokens, None, arrival))
+                else:
+                    finished(ctx, request, "generate", item, arrival, metrics=metrics, logs=logs)
+                    yield sse(_result(rid, item.text, item.token_ids, prompt_tokens, item, arrival))
+        yield DONE
+    except ApiError as err:
+        yield sse(err.body())
+        yield DONE
+    finally:
+        lease.close()

@@ -1,0 +1,208 @@
+"""Request validation: every field is honoured or rejected with a 400 naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from dsv4_engine.server.errors import ApiError, from_validation_errors
+from dsv4_engine.server.metrics import ServerMetrics
+from dsv4_engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _error(model: Any, body: dict[str, Any]) -> ApiError:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    return from_validation_errors(info.value.errors())
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "param", "code"),
+    [
+        (CompletionRequest, {"prompt": "x", "n": 2}, "n", "unsupported_parameter"),
+        (CompletionRequest, {"prompt": "x", "logprobs": 1}, "logprobs", "unsupported_parameter"),
+        (CompletionRequest, {"prompt": "x", "best_of": 3}, "best_of", "unsupported_parameter"),
+        (
+            CompletionRequest,
+            {"prompt": "x", "presence_penalty": 0.5},
+            "presence_penalty",
+            "unsupported_parameter",
+        ),
+        (
+            CompletionRequest,
+            {"prompt": "x", "frequency_penalty": 1},
+            "frequency_penalty",
+            "unsupported_parameter",
+        ),
+        (CompletionRequest, {"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias", "unsupported_parameter"),
+        (CompletionRequest, {"prompt": "x", "suffix": "y"}, "suffix", "unsupported_parameter"),
+        (CompletionRequest, {"prompt": "x", "whatever": 1}, "whatever", "unknown_parameter"),
+        (CompletionRequest, {"prompt": "x", "max_tokens": "16"}, "max_tokens", "invalid_type"),
+        (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens", "invalid_value"),
+        (CompletionRequest, {"prompt": "x", "temperature": 2.5}, "temperature", "invalid_value"),
+        (CompletionRequest, {"prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
+        (CompletionRequest, {"prompt": "x", "top_k": 0}, "top_k", "invalid_value"),
+        (CompletionRequest, {"prompt": "x", "stream": 1}, "stream", "invalid_type"),
+        (CompletionRequest, {"prompt": "x", "stop": ["a", ""]}, "stop", "invalid_value"),
+        (CompletionRequest, {"prompt": [1, "a"]}, "prompt", "invalid_type"),
+        (CompletionRequest, {"prompt": []}, "prompt", "invalid_value"),
+        (CompletionRequest, {}, "prompt", "missing_required_parameter"),
+        (ChatCompletionRequest, {"messages": USER, "logprobs": True}, "logprobs", "unsupported_parameter"),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "top_logprobs": 2},
+            "top_logprobs",
+            "unsupported_parameter",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "tools": [{"type": "function"}]},
+            "tools",
+            "unsupported_parameter",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "response_format": {"type": "json_object"}},
+            "response_format",
+            "unsupported_parameter",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "repetition_penalty": 1.2},
+            "repetition_penalty",
+            "unsupported_parameter",
+        ),
+        (ChatCompletionRequest, {"messages": USER, "n": 3}, "n", "unsupported_parameter"),
+        (ChatCompletionRequest, {"messages": []}, "messages", "invalid_value"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].role",
+            "invalid_value",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type",
+            "unsupported_parameter",
+        ),
+        (GenerateRequest, {"text": "x", "return_logprob": True}, "return_logprob", "unsupported_parameter"),
+        (
+            GenerateRequest,
+            {"text": "x", "sampling_params": {"n": 2}},
+            "sampling_params.n",
+            "unsupported_parameter",
+        ),
+        (
+            GenerateRequest,
+            {"text": "x", "sampling_params": {"max_new_tokens": -1}},
+            "sampling_params.max_new_tokens",
+            "invalid_value",
+        ),
+    ],
+)
+def test_rejections_name_the_field(model: Any, body: dict[str, Any], param: str, code: str) -> None:
+    err = _error(model, body)
+    assert err.status == 400
+    assert (err.param, err.code) == (param, code)
+    assert param in err.message
+
+
+def test_stream_options_require_stream() -> None:
+    err = _error(CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}})
+    assert err.status == 400 and "stream_options" in err.message
+
+
+def test_generate_needs_exactly_one_input() -> None:
+    assert "text or input_ids" in _error(GenerateRequest, {"sampling_params": {}}).message
+    assert "text or input_ids" in _error(GenerateRequest, {"text": "a", "input_ids": [1]}).message
+
+
+def test_router_defaults_are_accepted() -> None:
+    # sglang-router 0.3.2 re-serialises requests with these defaults filled in.
+    chat = ChatCompletionRequest.model_validate(
+        {
+            "messages": USER,
+            "model": "m",
+            "logprobs": False,
+            "stream": False,
+            "no_stop_trim": False,
+            "ignore_eos": False,
+            "continue_final_message": False,
+            "skip_special_tokens": True,
+            "separate_reasoning": True,
+            "stream_reasoning": True,
+            "return_hidden_states": False,
+            "bootstrap_host": "10.0.0.1",
+            "bootstrap_port": 8998,
+            "bootstrap_room": 2**63 + 5,
+        }
+    )
+    assert chat.bootstrap_room == 2**63 + 5
+    CompletionRequest.model_validate(
+        {
+            "prompt": "x",
+            "model": "m",
+            "stream": False,
+            "echo": False,
+            "no_stop_trim": False,
+            "ignore_eos": False,
+            "skip_special_tokens": True,
+            "return_hidden_states": False,
+        }
+    )
+    GenerateRequest.model_validate(
+        {
+            "text": "x",
+            "stream": False,
+            "log_metrics": True,
+            "return_hidden_states": False,
+            "background": False,
+            "no_logs": False,
+            "return_bytes": False,
+            "return_entropy": False,
+            "return_text_in_logprobs": False,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": False},
+        }
+    )
+
+
+def test_prompt_forms() -> None:
+    assert CompletionRequest.model_validate({"prompt": "a"}).prompts() == ["a"]
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompts() == [[1, 2]]
+    assert CompletionRequest.model_validate({"prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
+
+
+def test_metrics_render_engine_snapshot() -> None:
+    snapshot = {
+        "num_running": 3,
+        "num_waiting": 2,
+        "num_preemptions": 7,
+        "prompt_tokens_total": 100,
+        "generation_tokens_total": 50,
+        "pool_usage/swa": 0.25,
+        "pool_usage/c4": 0.5,
+        "decode_batch_size": 4,
+    }
+    m = ServerMetrics(lambda: snapshot)
+    m.ttft.observe(0.02)
+    m.itl.observe(0.003)
+    text = m.render().decode()
+    for line in (
+        "dsv4_num_requests_running 3.0",
+        "dsv4_num_requests_waiting 2.0",
+        "dsv4_preemptions_total 7.0",
+        "dsv4_prompt_tokens_total 100.0",
+        "dsv4_generation_tokens_total 50.0",
+        'dsv4_pool_usage_ratio{pool="swa"} 0.25',
+        'dsv4_pool_usage_ratio{pool="c4"} 0.5',
+        "dsv4_engine_decode_batch_size 4.0",
+        "dsv4_time_to_first_token_seconds_count 1.0",
+        "dsv4_inter_token_latency_seconds_count 1.0",
+    ):
+        assert line in text, line

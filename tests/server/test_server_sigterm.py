@@ -1,0 +1,91 @@
+"""`dsv4 serve` as a process: SIGTERM drains (503 for new work, in-flight completes) and exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TOKENS = 48  # long enough to still be running while the test probes the draining server
+NAME = "tiny"
+
+
+def _dsv4() -> list[str]:
+    return [sys.executable, "-c", "import sys; from dsv4_operator.cli import main; sys.exit(main())"]
+
+
+def test_sigterm_drains_then_exits_zero(tiny_checkpoint: Path, tmp_path: Path, port: int, until: Any) -> None:
+    log_path = tmp_path / "serve.log"
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    cmd = [*_dsv4(), "serve", "--model", str(tiny_checkpoint), "--served-model-name", NAME]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--grace-period", "120"]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                return httpx.get(f"{base}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        until(healthy, 180, "dsv4 serve to become healthy")
+        first_chunk = threading.Event()
+        result: dict[str, Any] = {"text": "", "events": []}
+
+        def in_flight() -> None:
+            body = {
+                "model": NAME,
+                "prompt": "Drain me",
+                "max_tokens": TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
+                result["status"] = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        result["events"].append(line[6:])
+                        first_chunk.set()
+
+        worker = threading.Thread(target=in_flight)
+        worker.start()
+        assert first_chunk.wait(120), "the in-flight request never started streaming"
+        proc.send_signal(signal.SIGTERM)
+
+        until(
+            lambda: httpx.get(f"{base}/health", timeout=5).status_code == 503,
+            30,
+            "/health to report draining",
+        )
+        assert httpx.get(f"{base}/health").json()["status"] == "draining"
+        refused = httpx.post(
+            f"{base}/v1/completions", json={"model": NAME, "prompt": "late", "max_tokens": 1}
+        )
+        assert refused.status_code == 503
+        assert refused.headers["Retry-After"]
+        assert worker.is_alive(), "the in-flight request ended before the draining server was probed"
+
+        worker.join(300)
+        assert result["status"] == 200 and result["events"][-1] == "[DONE]"
+        usage = json.loads(result["events"][-2])["usage"]
+        assert usage["completion_tokens"] == TOKENS  # it ran to the end, not aborted
+        finals = [json.loads(e)["choices"][0]["finish_reason"] for e in result["events"][:-2]]
+        assert finals[-1] == "length"
+        assert proc.wait(120) == 0, log_path.read_text()
+        assert "draining" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
