@@ -54,6 +54,13 @@ def main() -> None:
         if chunk.choices and chunk.choices[0].delta.content:
             print(chunk.choices[0].delta.content, end="", flush=True)
     print()
+
+    # A random model ends early when it happens to sample EOS; ignore_eos (an SGLang/vLLM extension
+    # the server honours) shows a full-length completion.
+    text = client.completions.create(
+        model=args.model, prompt="The cluster", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    print("completion:", repr(text.choices[0].text), "| tokens:", text.usage.completion_tokens)
     print("(a random tiny model: the words are noise; the serving path is real)")
 
 
