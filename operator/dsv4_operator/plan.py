@@ -17,7 +17,7 @@ from dsv4_operator.spec import Dsv4Deployment
 Role = Literal["prefill", "decode", "router"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "router")
 
-# Label keys (contract: docs/HELPERS.md).
+# Label keys: the contract between the manifests, the operator and the router selectors.
 L_NAME = "app.kubernetes.io/name"
 L_INSTANCE = "app.kubernetes.io/instance"
 L_COMPONENT = "app.kubernetes.io/component"
