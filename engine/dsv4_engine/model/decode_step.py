@@ -21,7 +21,6 @@ from dsv4_engine.attention.paged_decode import PoolViews, paged_decode_attention
 from dsv4_engine.model.hyper import HyperConnection, expand
 from dsv4_engine.model.model import Dsv4ForCausalLM
 from dsv4_engine.model.moe import MoE, swiglu
-from dsv4_engine.model.ops import unweighted_rms_norm
 
 
 def hyper_connection(
@@ -30,20 +29,13 @@ def hyper_connection(
     """`HyperConnection.forward`; `matmul_sums` does each Sinkhorn sum + eps as one `baddbmm` (fewer
     eager ops); without it the sums stay reductions, which a compiler fuses into one kernel."""
     n, bsz = hc.n, streams.shape[0]
-    mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), hc.norm_eps), hc.fn.float())
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
-    pre_s, post_s, comb_s = hc.scale.unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc.hc_eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + hc.hc_eps
+    pre, post, comb = hc.weights(streams)
     if not matmul_sums:
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
         for _ in range(hc.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + hc.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return post, comb, hc.collapse(pre, streams)
     eps = comb.new_full((1, 1, 1), hc.hc_eps)
     ones_row = comb.new_ones(1, 1, n).expand(bsz, 1, n)
     ones_col = comb.new_ones(1, n, 1).expand(bsz, n, 1)
@@ -51,8 +43,7 @@ def hyper_connection(
     for _ in range(hc.iters - 1):
         comb = comb / torch.baddbmm(eps, comb, ones_col)  # rows
         comb = comb / torch.baddbmm(eps, ones_row, comb)  # columns
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return post, comb, collapsed
+    return post, comb, hc.collapse(pre, streams)
 
 
 def moe_decode(

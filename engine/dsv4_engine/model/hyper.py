@@ -28,8 +28,8 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + self.n) * self.n))
         self.scale = nn.Parameter(torch.ones(3))
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(post [T, N], comb [T, N, N], collapsed [T, D]) for streams `[T, N, D]`."""
+    def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pre [T, N], post [T, N], comb [T, N, N] before Sinkhorn), fp32, for streams `[T, N, D]`."""
         n = self.n
         mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn.float())
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
@@ -38,14 +38,23 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
+        return pre, post, comb
+
+    @staticmethod
+    def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """The sub-block input: `sum_i pre_i * streams_i`."""
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(post [T, N], comb [T, N, N], collapsed [T, D]) for streams `[T, N, D]`."""
+        pre, post, comb = self.weights(streams)
         # Sinkhorn-Knopp: columns, then (rows, columns) iters - 1 times; in place (same rounding).
         eps = self.hc_eps
         comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
         for _ in range(self.iters - 1):
             comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
             comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return post, comb, self.collapse(pre, streams)
 
 
 def expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
