@@ -50,10 +50,8 @@ class _Batched:
         from dsv4_engine.graph_runner import DecodeGraphRunner
         from dsv4_engine.loader import load_checkpoint
         from dsv4_engine.memory import (
-            Dsv4Allocator,
             Dsv4MemoryLayout,
-            Dsv4ReqToTokenPool,
-            Dsv4TokenToKVPool,
+            PagedMemory,
             PoolSizes,
         )
         from dsv4_engine.model import Dsv4ForCausalLM
@@ -66,9 +64,8 @@ class _Batched:
         layout = Dsv4MemoryLayout.from_config(config, page_size=128, kv_dtype=torch_dtype)
         pages = -(-max_ctx // 128)
         sizes = PoolSizes(full_pages=pages, swa_pages=pages + 2, c4_state_pages=4, c128_state_pages=4)
-        self.kv = Dsv4TokenToKVPool(layout, sizes)
-        self.req_pool = Dsv4ReqToTokenPool(1, max_ctx)
-        self.alloc = Dsv4Allocator(layout, sizes, self.req_pool)
+        mem = PagedMemory.build(layout, sizes, max_reqs=1, max_ctx=max_ctx)
+        self.kv, self.req_pool, self.alloc = mem.kv, mem.req_pool, mem.allocator
         self.runner = DecodeGraphRunner(self.model, self.kv, self.req_pool, max_ctx, buckets=(1,), mode=mode)
         self.runner.warmup()
         self.split = [0.0, 0.0, 0]  # metadata refresh seconds, forward seconds, steps

@@ -16,11 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_engine.memory import (
-    Dsv4Allocator,
     Dsv4MemoryLayout,
-    Dsv4ReqToTokenPool,
-    Dsv4TokenToKVPool,
     ExtendSpec,
+    PagedMemory,
     PoolSizes,
     StateType,
 )
@@ -59,9 +57,8 @@ def held_bytes(layout: Dsv4MemoryLayout, context: int, chunk: int) -> Row:
     sizes = PoolSizes(
         full_pages=cdiv(context, p), swa_pages=cdiv(chunk, p) + 4, c4_state_pages=8, c128_state_pages=8
     )
-    kv = Dsv4TokenToKVPool(layout, sizes, device="meta")
-    req_pool = Dsv4ReqToTokenPool(1, context)
-    alloc = Dsv4Allocator(layout, sizes, req_pool)
+    mem = PagedMemory.build(layout, sizes, max_reqs=1, max_ctx=context, device="meta")
+    kv, req_pool, alloc = mem.kv, mem.req_pool, mem.allocator
     r = req_pool.alloc()
     done = 0
     while done < context - 1:

@@ -20,10 +20,8 @@ import torch
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.device import resolve_dtype, select_device
 from dsv4_engine.memory import (
-    Dsv4Allocator,
     Dsv4MemoryLayout,
-    Dsv4ReqToTokenPool,
-    Dsv4TokenToKVPool,
+    PagedMemory,
     PoolSizes,
 )
 from dsv4_engine.memory.sizing import fixed_pool_sizes, plan_pool_sizes, pool_bytes, table_bytes
@@ -162,9 +160,10 @@ class LLMEngine:
             num_pages=num_pages,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
         )
-        self.kv_pool = Dsv4TokenToKVPool(self.layout, self.pool_sizes, self.device)
-        self.req_pool = Dsv4ReqToTokenPool(max_num_seqs, self.max_model_len, self.device)
-        self.allocator = Dsv4Allocator(self.layout, self.pool_sizes, self.req_pool)
+        memory = PagedMemory.build(
+            self.layout, self.pool_sizes, max_num_seqs, self.max_model_len, self.device
+        )
+        self.kv_pool, self.req_pool, self.allocator = memory.kv, memory.req_pool, memory.allocator
         sched_config = SchedulerConfig(
             page_size=page_size,
             max_model_len=self.max_model_len,

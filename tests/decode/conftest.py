@@ -13,11 +13,9 @@ from dsv4_engine.graph_runner import DecodeGraphRunner
 from dsv4_engine.loader import load_checkpoint
 from dsv4_engine.make_tiny import make_tiny
 from dsv4_engine.memory import (
-    Dsv4Allocator,
     Dsv4MemoryLayout,
-    Dsv4ReqToTokenPool,
-    Dsv4TokenToKVPool,
     ExtendSpec,
+    PagedMemory,
     PoolSizes,
 )
 from dsv4_engine.memory.seq_cache import PagedSeqCache
@@ -49,9 +47,8 @@ class Mem:
     def __init__(self, model: Dsv4ForCausalLM, max_reqs: int = 8) -> None:
         self.layout = Dsv4MemoryLayout.from_config(model.config, page_size=128, kv_dtype=torch.float32)
         self.sizes = PoolSizes(full_pages=64, swa_pages=48, c4_state_pages=24, c128_state_pages=24)
-        self.kv = Dsv4TokenToKVPool(self.layout, self.sizes)
-        self.req_pool = Dsv4ReqToTokenPool(max_reqs, MAX_CTX)
-        self.alloc = Dsv4Allocator(self.layout, self.sizes, self.req_pool)
+        mem = PagedMemory.build(self.layout, self.sizes, max_reqs, MAX_CTX)
+        self.kv, self.req_pool, self.alloc = mem.kv, mem.req_pool, mem.allocator
         self.caches: dict[str, PagedSeqCache] = {}
 
     def join(self, model: Dsv4ForCausalLM, name: str, prompt: list[int]) -> torch.Tensor:

@@ -12,11 +12,9 @@ import torch
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.make_tiny import build_config
 from dsv4_engine.memory import (
-    Dsv4Allocator,
     Dsv4MemoryLayout,
-    Dsv4ReqToTokenPool,
-    Dsv4TokenToKVPool,
     ExtendSpec,
+    PagedMemory,
     PoolSizes,
 )
 from dsv4_engine.memory.seq_cache import PagedSeqCache
@@ -36,9 +34,8 @@ class Paged:
     def __init__(self, model: Dsv4ForCausalLM) -> None:
         layout = Dsv4MemoryLayout.from_config(model.config, page_size=128, kv_dtype=torch.float32)
         self.sizes = PoolSizes(full_pages=24, swa_pages=24, c4_state_pages=12, c128_state_pages=12)
-        self.kv = Dsv4TokenToKVPool(layout, self.sizes)
-        self.req_pool = Dsv4ReqToTokenPool(4, MAX_CTX)
-        self.alloc = Dsv4Allocator(layout, self.sizes, self.req_pool)
+        mem = PagedMemory.build(layout, self.sizes, max_reqs=4, max_ctx=MAX_CTX)
+        self.kv, self.req_pool, self.alloc = mem.kv, mem.req_pool, mem.allocator
 
     def new_cache(self) -> PagedSeqCache:
         return PagedSeqCache(self.kv, self.alloc, self.req_pool.alloc())

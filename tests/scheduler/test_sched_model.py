@@ -9,10 +9,8 @@ import torch
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.make_tiny import build_config
 from dsv4_engine.memory import (
-    Dsv4Allocator,
     Dsv4MemoryLayout,
-    Dsv4ReqToTokenPool,
-    Dsv4TokenToKVPool,
+    PagedMemory,
     PoolSizes,
 )
 from dsv4_engine.memory.seq_cache import PagedSeqCache
@@ -34,8 +32,8 @@ def generate(
 ) -> tuple[list, dict]:
     layout = Dsv4MemoryLayout.from_config(model.config, page_size=128, kv_dtype=torch.float32)
     sizes = PoolSizes(full_pages=full_pages, swa_pages=32, c4_state_pages=24, c128_state_pages=24)
-    kv, req_pool = Dsv4TokenToKVPool(layout, sizes), Dsv4ReqToTokenPool(8, MAX_CTX)
-    alloc = Dsv4Allocator(layout, sizes, req_pool)
+    mem = PagedMemory.build(layout, sizes, max_reqs=8, max_ctx=MAX_CTX)
+    kv, req_pool, alloc = mem.kv, mem.req_pool, mem.allocator
     config = SchedulerConfig(
         page_size=128, max_model_len=MAX_CTX, max_num_batched_tokens=budget, chunk_size=128
     )

@@ -3,6 +3,7 @@
 from .allocator import Dsv4Allocator, DSV4OutCacheLoc, ExtendSpec
 from .layout import STATE_TYPE_ORDER, Dsv4MemoryLayout, StateType
 from .page_pool import OutOfPages, PagePool
+from .paged import PagedMemory
 from .payloads import dsv4_state_payloads
 from .pools import Dsv4TokenToKVPool, StateComponent
 from .req_to_token import (
@@ -27,6 +28,7 @@ __all__ = [
     "ExtendSpec",
     "OutOfPages",
     "PagePool",
+    "PagedMemory",
     "PoolSizes",
     "ReqToTokenPool",
     "StateComponent",
