@@ -120,3 +120,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
     rotated = (rope.float() * cos + swapped.float() * sin).to(x.dtype)
     return torch.cat([nope, rotated], dim=-1)
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate` in place (the same values), for a tensor nothing else reads; `cos`/`sin` must not
+    broadcast `x` to a larger shape. Fewer temporaries: no copy of the other channels, and the
+    pair swap's sign goes on `sin` (a row per position) rather than on `x` (one per head)."""
+    rope = x[..., -cos.shape[-1] :]
+    pairs = rope.unflatten(-1, (-1, 2))
+    swapped = torch.stack((pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2).float()  # (x1, x0)
+    s = sin.unflatten(-1, (-1, 2))
+    signed = torch.stack((-s[..., 0], s[..., 1]), dim=-1).flatten(-2)  # (-x1 * s == x1 * -s)
+    rope.copy_((rope.float() * cos).add_(swapped.mul_(signed)))
+    return x

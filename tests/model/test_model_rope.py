@@ -8,7 +8,7 @@ import torch
 
 from dsv4_engine.config import Dsv4Config, RopeParams
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
-from dsv4_engine.rope import RopeRegistry, RopeTable, inv_freq, rotate
+from dsv4_engine.rope import RopeRegistry, RopeTable, inv_freq, rotate, rotate_
 
 
 def test_frequencies_match_hf(models) -> None:
@@ -89,6 +89,19 @@ def test_inverse_rotation_undoes_rotation() -> None:
     y = rotate(x, cos, sin)
     assert torch.equal(y[..., :8], x[..., :8])  # only the trailing rope_dim channels turn
     assert torch.allclose(rotate(y, cos, -sin), x, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_rotation_equals_rotation(dtype: torch.dtype) -> None:
+    table = RopeTable(RopeParams(theta=10000.0), rope_dim=8, max_positions=16)
+    table.build()
+    x = torch.randn(4, 3, 16).to(dtype)
+    cos, sin = (t[:, None] for t in table.lookup(torch.tensor([0, 3, 7, 15])))
+    for s in (sin, -sin):
+        want = rotate(x, cos, s)
+        got = x.clone()
+        assert rotate_(got, cos, s) is got
+        assert torch.equal(got, want)  # bit for bit: the prefill and decode paths share caches
 
 
 def test_positions_past_the_table_are_refused(models) -> None:

@@ -17,8 +17,13 @@ from torch import nn
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.model.batch import ForwardBatch, SeqSlice
 from dsv4_engine.model.compressor import Compressor, Indexer
-from dsv4_engine.model.ops import RMSNorm, unweighted_rms_norm
-from dsv4_engine.rope import RopeTable, rotate
+from dsv4_engine.model.ops import RMSNorm, unweighted_rms_norm_
+from dsv4_engine.rope import RopeTable, rotate_
+
+# Queries per block: a block of b queries attends to b + window - 1 window keys (those its
+# queries can see) instead of the whole chunk's; blocks run as one batched product. On CPU
+# (window 64, 128-token chunks) 32 beat 64 and unblocked chunks by ~10% and ~40% of the time.
+QUERY_BLOCK = 32
 
 
 class GroupedLinear(nn.Linear):
@@ -76,8 +81,8 @@ class Dsv4Attention(nn.Module):
         cos, sin = batch.memo[id(self.rope)]
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(len(x), self.num_heads, self.head_dim)
-        q = rotate(unweighted_rms_norm(q, self.eps), cos[:, None], sin[:, None])
-        kv = rotate(self.kv_norm(self.kv_proj(x)), cos, sin)
+        q = rotate_(unweighted_rms_norm_(q, self.eps), cos[:, None], sin[:, None])
+        kv = rotate_(self.kv_norm(self.kv_proj(x)), cos, sin)
 
         comp_kv = comp_gate = idx_kv = idx_gate = idx_q = idx_w = None
         if self.compressor is not None:
@@ -87,10 +92,11 @@ class Dsv4Attention(nn.Module):
                 idx_kv, idx_gate = indexer.project(x)
                 idx_q, idx_w = indexer.queries(x, q_residual, cos, sin)
 
-        out = torch.empty_like(q)
+        out = q  # a request's output overwrites its queries once they are read
         for seq in batch.seqs:
             rows = seq.rows
-            keys, bias = self._window_keys(seq, kv[rows], batch)
+            keys = self._window_keys(seq, kv[rows])
+            bias = self._window_bias(seq, batch)
             if self.compressor is not None:
                 comp = self.compressor.update(self.layer, seq, comp_kv[rows], comp_gate[rows])
                 if idx_q is not None:
@@ -99,41 +105,69 @@ class Dsv4Attention(nn.Module):
                     comp_bias = indexer.select(idx_q[rows], idx_w[rows], idx_keys, seq)
                 else:
                     comp_bias = _causal_rows_bias(seq, self.ratio, len(comp), batch, x.device)
-                keys = torch.cat([keys, comp])
-                bias = torch.cat([bias, comp_bias.to(bias.dtype)], dim=1)
-            out[rows] = self._attend(q[rows], keys, bias)
+                keys = torch.cat([keys, comp.expand(len(keys), -1, -1)], dim=1)
+                bias = torch.cat([bias, _blocks(comp_bias.to(bias.dtype), bias.shape[1])], dim=2)
+            out[rows] = self._attend(_blocks(q[rows], bias.shape[1]), keys, bias)[: seq.length]
 
-        out = rotate(out, cos[:, None], -sin[:, None])  # undo RoPE carried by V
+        out = rotate_(out, cos[:, None], -sin[:, None])  # undo RoPE carried by V
         grouped = self.o_a_proj(out.reshape(len(x), self.o_groups, -1))
         return self.o_b_proj(grouped)
 
-    def _window_keys(
-        self, seq: SeqSlice, kv: torch.Tensor, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K=V rows of positions [start - m, end) and the sliding-window bias `[n, m + n]`."""
-        m = min(seq.start, self.window - 1)
-        keys = kv
+    def _window_keys(self, seq: SeqSlice, kv: torch.Tensor) -> torch.Tensor:
+        """Window keys per query block, `[nb, b + w - 1, D]` (w: sliding window), as overlapping
+        views of one buffer: block i's row s holds position start + i*b + s - w + 1, zero where that
+        is before the window or past the chunk (`_window_bias` masks those)."""
+        n, dim = kv.shape
+        b, nb = _block_shape(n)
+        m = min(seq.start, self.window - 1)  # cached positions the chunk's queries see
+        keys = kv.new_zeros(self.window - 1 + nb * b, dim)
         if m:
-            keys = torch.cat([seq.cache.read_swa(self.layer, seq.start - m, seq.start), kv])
+            keys[self.window - 1 - m : self.window - 1] = seq.cache.read_swa(
+                self.layer, seq.start - m, seq.start
+            )
+        keys[self.window - 1 : self.window - 1 + n] = kv
         seq.cache.write_swa(self.layer, seq.start, kv)
+        return keys.as_strided((nb, b + self.window - 1, dim), (b * dim, dim, 1))
+
+    def _window_bias(self, seq: SeqSlice, batch: ForwardBatch) -> torch.Tensor:
+        """Additive bias `[nb, b, b + w - 1]` over `_window_keys`: query j of a block sees rows
+        j .. j + w - 1 of its block's keys, none before position 0. Shared by all layers."""
         key = ("swa", seq.offset)
         if key not in batch.memo:
-            qpos = torch.arange(seq.start, seq.end, device=kv.device)[:, None]
-            kpos = torch.arange(seq.start - m, seq.end, device=kv.device)[None, :]
-            visible = (kpos <= qpos) & (kpos > qpos - self.window)
-            batch.memo[key] = torch.zeros(visible.shape, device=kv.device).masked_fill(
-                ~visible, float("-inf")
-            )
-        return keys, batch.memo[key]
+            device = batch.positions.device
+            b, nb = _block_shape(seq.length)
+            j = torch.arange(b, device=device)[:, None]
+            s = torch.arange(b + self.window - 1, device=device)[None, :]
+            first = torch.arange(nb, device=device)[:, None, None] * b + seq.start - self.window + 1
+            visible = (s >= j) & (s < j + self.window) & (first + s >= 0)  # first: position of row 0
+            batch.memo[key] = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+        return batch.memo[key]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Softmax over [keys | sink] per head; `q [n, H, D]`, `keys [K, D]`, `bias [n, K]`."""
-        logits = torch.matmul(q.transpose(0, 1), keys.T) * self.scaling + bias.to(q.dtype)  # [H, n, K]
-        sinks = self.sinks.view(-1, 1, 1).expand(-1, len(q), 1)
+        """Softmax over [keys | sink] per head for query blocks: `q [nb, b, H, D]`, `keys [nb, K, D]`,
+        `bias [nb, b, K]`; returns `[nb * b, H, D]`."""
+        nb, b, heads, dim = q.shape
+        logits = torch.bmm(q.view(nb, b * heads, dim), keys.transpose(1, 2)).view(nb, b, heads, -1)
+        logits = logits.mul_(self.scaling).add_(bias.to(q.dtype)[:, :, None, :])
+        sinks = self.sinks.view(1, 1, -1, 1).expand(nb, b, -1, 1)
         logits = torch.cat([logits, sinks], dim=-1)  # sinks are fp32: promotes like HF
-        logits = logits - logits.max(dim=-1, keepdim=True).values
+        # HF subtracts the row max first; softmax does exactly that itself (same values).
         probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
-        return torch.matmul(probs, keys).transpose(0, 1)
+        return torch.bmm(probs.reshape(nb, b * heads, -1), keys).view(nb * b, heads, dim)
+
+
+def _block_shape(n: int) -> tuple[int, int]:
+    """(queries per block, blocks) for a chunk of n queries."""
+    b = min(QUERY_BLOCK, n)
+    return b, -(-n // b)
+
+
+def _blocks(x: torch.Tensor, b: int) -> torch.Tensor:
+    """Rows of `x` as blocks of b, `[nb, b, ...]`; the last block padded with zeros."""
+    pad = -len(x) % b
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    return x.view(len(x) // b, b, *x.shape[1:])
 
 
 def _causal_rows_bias(

@@ -17,7 +17,7 @@ from torch import nn
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.model.batch import SeqSlice
 from dsv4_engine.model.ops import RMSNorm, stable_topk
-from dsv4_engine.rope import RopeTable, rotate
+from dsv4_engine.rope import RopeTable, rotate_
 
 
 class Compressor(nn.Module):
@@ -62,7 +62,7 @@ class Compressor(nn.Module):
             weights = win_score.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
             rows = self.kv_norm((win_kv * weights).sum(dim=1))
             cos, sin = self.rope.lookup(torch.arange(first, last, device=kv.device) * r)
-            cache.write_rows(layer, self.name, first, rotate(rows, cos, sin))
+            cache.write_rows(layer, self.name, first, rotate_(rows, cos, sin))
         if last == 0:
             return kv.new_zeros(0, self.head_dim)
         return cache.read_rows(layer, self.name, last)
@@ -110,7 +110,7 @@ class Indexer(Compressor):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated index queries `[T, H, Di]` and head weights `[T, H]` (fp32) for all tokens."""
         q = self.q_b_proj(q_residual).view(len(x), self.num_heads, self.head_dim)
-        q = rotate(q, cos[:, None], sin[:, None])
+        q = rotate_(q, cos[:, None], sin[:, None])
         weights = self.scorer.weights_proj(x).float() * self.weights_scaling
         return q, weights
 
@@ -122,10 +122,12 @@ class Indexer(Compressor):
         bias = q.new_full((n, num_rows), float("-inf"), dtype=torch.float32)
         if num_rows == 0:
             return bias
-        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * self.softmax_scale  # [n, H, N]
-        scores = (scores * weights[:, :, None]).sum(dim=1)  # [n, N]
         visible = (torch.arange(seq.start, seq.end, device=q.device) + 1) // self.ratio
         future = torch.arange(num_rows, device=q.device)[None, :] >= visible[:, None]
+        if num_rows <= self.topk:  # the top-k of all rows is every visible row: no scores needed
+            return bias.masked_fill_(~future, 0.0)
+        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * self.softmax_scale  # [n, H, N]
+        scores = (scores * weights[:, :, None]).sum(dim=1)  # [n, N]
         scores = scores.masked_fill(future, float("-inf"))
         picked = stable_topk(scores, min(self.topk, num_rows))
         valid = picked < visible[:, None]

@@ -17,6 +17,20 @@ from dsv4_engine.config import Dsv4Config
 from dsv4_engine.model.ops import unweighted_rms_norm
 
 
+def stream_mixes(streams: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`linear(unweighted_rms_norm(streams.flatten(1)), weight)` in fp32 for streams `[T, N, D]`.
+
+    With fp32 streams the RMS scale, a per-row scalar, is applied to the few output columns instead
+    of the `[T, N*D]` input and the mean square comes from a norm (one pass, no temporaries). A bf16
+    model keeps HF's op order: a last-bit change here moves its bf16 casts downstream.
+    """
+    x = streams.flatten(1).float()
+    if streams.dtype != torch.float32:
+        return F.linear(unweighted_rms_norm(x, eps), weight.float())
+    sum_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
+    return F.linear(x, weight.float()) * torch.rsqrt(sum_sq / x.shape[-1] + eps)
+
+
 class HyperConnection(nn.Module):
     def __init__(self, config: Dsv4Config) -> None:
         super().__init__()
@@ -31,7 +45,7 @@ class HyperConnection(nn.Module):
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pre [T, N], post [T, N], comb [T, N, N] before Sinkhorn), fp32, for streams `[T, N, D]`."""
         n = self.n
-        mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn.float())
+        mixes = stream_mixes(streams, self.fn, self.norm_eps)
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)
@@ -42,8 +56,9 @@ class HyperConnection(nn.Module):
 
     @staticmethod
     def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-        """The sub-block input: `sum_i pre_i * streams_i`."""
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        """The sub-block input: `sum_i pre_i * streams_i`, in fp32: one `[1, N] @ [N, D]` product per
+        row instead of a `[T, N, D]` temporary."""
+        return torch.bmm(pre.unsqueeze(1), streams.float()).squeeze(1).to(streams.dtype)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(post [T, N], comb [T, N, N], collapsed [T, D]) for streams `[T, N, D]`."""
@@ -57,12 +72,21 @@ class HyperConnection(nn.Module):
         return post, comb, self.collapse(pre, streams)
 
 
-def expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """New streams: `post_k * out + sum_j comb[j, k] * streams_j`."""
+def expand(
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    out: torch.Tensor,
+    streams: torch.Tensor,
+    into: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """New streams: `post_k * out + sum_j comb[j, k] * streams_j`; fp32 ones are written to `into`
+    (a buffer of streams' shape, not `streams` itself) when given."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams
-    )
+    if dtype != torch.float32:  # HF's op order: one fused rounding moves bf16 logits by > 1 ulp
+        spread = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)
+        return spread + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    spread = torch.mul(post.unsqueeze(-1), out.unsqueeze(-2), out=into)
+    return spread.baddbmm_(comb.transpose(-1, -2), streams)  # in place: no third [T, N, D] buffer
 
 
 class HyperHead(nn.Module):
@@ -78,6 +102,6 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.hc_fn.float())
+        mixes = stream_mixes(streams, self.hc_fn, self.norm_eps)
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return HyperConnection.collapse(pre, streams)

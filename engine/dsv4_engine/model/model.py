@@ -45,12 +45,16 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(config)
         self.ffn_hc = HyperConnection(config)
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch, spare: torch.Tensor) -> torch.Tensor:
+        """New streams; `spare` (streams' shape) takes the streams between attention and MoE and
+        `streams` the result, overwritten once dead. Fresh buffers this size can cost more in page
+        faults than the arithmetic that fills them (small preset, 2048 tokens: 9 ms against 1.5 ms)."""
         post, comb, collapsed = self.attn_hc(streams)
-        streams = expand(post, comb, self.self_attn(self.input_layernorm(collapsed), batch), streams)
-        post, comb, collapsed = self.ffn_hc(streams)
+        out = self.self_attn(self.input_layernorm(collapsed), batch)
+        mid = expand(post, comb, out, streams, into=spare)
+        post, comb, collapsed = self.ffn_hc(mid)
         out = self.mlp(self.post_attention_layernorm(collapsed), batch.input_ids)
-        return expand(post, comb, out, streams)
+        return expand(post, comb, out, mid, into=streams)
 
 
 class Dsv4Model(nn.Module):
@@ -76,8 +80,9 @@ class Dsv4Model(nn.Module):
             batch.memo[id(table)] = table.lookup(batch.positions)
         x = self.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        spare = torch.empty_like(streams)
         for layer in self.layers:
-            streams = layer(streams, batch)
+            streams = layer(streams, batch, spare)
         for seq in batch.seqs:
             seq.cache.num_tokens = seq.end
         return self.norm(self.hc_head(streams))

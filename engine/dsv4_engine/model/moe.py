@@ -59,23 +59,31 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(self.num_experts, hidden, inter))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Dispatch by expert: one gather / two matmuls / one scatter-add per expert in use."""
-        out = torch.zeros_like(x)
+        """Dispatch by expert: the (token, expert) pairs sorted by expert and gathered once; per
+        expert in use, two matmuls on its contiguous slice and one weighted scatter-add."""
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         tokens = order // ids.shape[1]
-        flat_weights = weights.flatten().index_select(0, order)
+        xs = x.index_select(0, tokens)
+        flat_weights = weights.flatten().index_select(0, order)[:, None]
+        out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = tokens[start : start + count]
-            gate, up = F.linear(x.index_select(0, rows), self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(swiglu(gate, up, self.limit), self.down_proj[expert])
-            out.index_add_(0, rows, (y * flat_weights[start : start + count, None]).to(out.dtype))
-            start += count
+            if count:
+                end = start + count
+                h = F.linear(xs[start:end], self.gate_up_proj[expert])
+                y = F.linear(_swiglu_(h, self.limit), self.down_proj[expert])
+                out.index_add_(0, tokens[start:end], y.mul_(flat_weights[start:end]).to(out.dtype))
+                start = end
         return out
+
+
+def _swiglu_(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """`swiglu` of `h = [gate | up]`, computed in h's own storage (returns a view of it)."""
+    inter = h.shape[-1] // 2
+    gate, up = h[..., :inter], h[..., inter:]
+    return F.silu(gate.clamp_(max=limit), inplace=True).mul_(up.clamp_(min=-limit, max=limit))
 
 
 class SharedExpert(nn.Module):
@@ -100,4 +108,4 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        return self.experts(x, weights, ids).add_(self.shared_experts(x))
