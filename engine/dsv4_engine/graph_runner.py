@@ -24,14 +24,17 @@ from typing import Literal
 
 import torch
 
+from dsv4_engine import kernels as cpu_kernels
 from dsv4_engine.attention.decode_buffers import DEFAULT_BUCKETS, DecodeBuffers
-from dsv4_engine.attention.decode_fill import fill_decode_buffers, step_inputs
+from dsv4_engine.attention.decode_fill import fill_decode_buffers, fill_decode_buffers_kernel, step_inputs
 from dsv4_engine.attention.paged_decode import PoolViews
 from dsv4_engine.memory.allocator import ExtendSpec
 from dsv4_engine.memory.pools import Dsv4TokenToKVPool
 from dsv4_engine.memory.req_to_token import Dsv4ReqPool
+from dsv4_engine.model.decode_ops import KernelOps, TorchOps
 from dsv4_engine.model.decode_step import decode_logits
 from dsv4_engine.model.model import Dsv4ForCausalLM
+from dsv4_engine.model.packed import decode_packs
 
 Mode = Literal["eager", "compiled", "graph"]
 MODES: tuple[str, ...] = ("eager", "compiled", "graph")
@@ -65,10 +68,15 @@ class DecodeGraphRunner:
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         mode: Mode = "eager",
         skip_guards: bool = True,
+        kernels: bool | None = None,
+        trim: bool | None = None,
     ) -> None:
         """skip_guards (compiled mode): after a bucket's first call, evaluate only the guards that
         tell buckets apart (`set_stance(skip_guard_eval_unsafe=True)`); every input is static by
-        construction, and full guard evaluation costs about as much as a fifth of the step."""
+        construction, and full guard evaluation costs about as much as a fifth of the step.
+        kernels: use the fused `dsv4::` CPU kernels (default: when built and the model is on CPU).
+        trim (eager only; default: eager): gather compressed keys from the step's longest context
+        and pool only completed blocks (host reads; `paged_decode_attention`)."""
         if mode not in MODES:
             raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
         self.model = model
@@ -87,6 +95,13 @@ class DecodeGraphRunner:
         self.pos = {bs: zeros(bs) for bs in self.buckets}
         self.valid = {bs: torch.zeros(bs, dtype=torch.bool, device=self.device) for bs in self.buckets}
         self.skip_guards = skip_guards
+        # Eager steps trim compressed-key gathers to the step's longest context (set by `prepare`);
+        # compiled and captured steps keep the buffers' full width.
+        self.num_pages: dict[int, int] = {}
+        # Decided here, once: traced code must not look at the kernels' build state.
+        self.use_kernels = kernels is not False and cpu_kernels.use_for(self.input_ids[self.buckets[0]])
+        self.trim = mode == "eager" and trim is not False
+        self.packs = decode_packs(model)
         self.num_compiles = 0  # compile events (compiled mode) / captures (graph mode)
         self._steps: dict[int, Callable[[], torch.Tensor]] = {}
         self._graphs: dict[int, object] = {}
@@ -94,6 +109,11 @@ class DecodeGraphRunner:
         if mode == "compiled":
             set_inductor_cache()
             import torch._dynamo as dynamo
+            import torch._inductor.config as inductor_config
+
+            # A C++ wrapper launches the step's ~150 kernels and BLAS calls without Python between
+            # them: ~45% off a batch-1 step here.
+            inductor_config.cpp_wrapper = True
 
             # Every bucket compiles the same function once: allow one entry per bucket.
             dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, len(self.buckets) + 1)
@@ -134,6 +154,7 @@ class DecodeGraphRunner:
         if top >= self.max_positions:
             raise ValueError(f"position {top} exceeds max_positions {self.max_positions}")
         bs = self.buffers.bucket_for(n)
+        self.num_pages[bs] = top // self.layout.page_size + 1  # the longest context, in pages
         req, pos, valid = step_inputs([s.req_idx for s in specs], [s.prefix_len for s in specs], bs)
         ids = torch.zeros(bs, dtype=torch.long)
         ids[:n] = torch.as_tensor(token_ids, dtype=torch.long)
@@ -169,6 +190,7 @@ class DecodeGraphRunner:
             self.step(bs)
 
     def _reset(self, bs: int) -> None:
+        self.num_pages.pop(bs, None)
         for name in ("input_ids", "req", "pos", "valid"):
             getattr(self, name)[bs].zero_()  # all rows padding
 
@@ -177,11 +199,18 @@ class DecodeGraphRunner:
         model, ids, meta, pools = self.model, self.input_ids[bs], self.buffers.buffers(bs), self.pools
         req_pool, page_size = self.req_pool, self.layout.page_size
         req, pos, valid = self.req[bs], self.pos[bs], self.valid[bs]
-        for_compiler = self.mode == "compiled"
+        trim, packs = self.trim, self.packs
+        if self.mode == "compiled":  # the compiler fuses the small ops; kernels only for big MoE batches
+            ops = TorchOps(for_compiler=True, moe_kernel=self.use_kernels)
+        else:  # eager, or the capture of a device graph (CUDA / NPU: use_kernels is False there)
+            ops = KernelOps() if self.use_kernels else TorchOps()
+        fill = fill_decode_buffers_kernel if isinstance(ops, KernelOps) else fill_decode_buffers
+        full = meta.page_table.shape[1]
 
         def step() -> torch.Tensor:
-            fill_decode_buffers(meta, req_pool, page_size, req, pos, valid)
-            return decode_logits(model, ids, meta, pools, for_compiler=for_compiler)
+            fill(meta, req_pool, page_size, req, pos, valid)
+            pages = min(self.num_pages.get(bs, full), full) if trim else None
+            return decode_logits(model, ids, meta, pools, ops=ops, num_pages=pages, packs=packs)
 
         return step
 

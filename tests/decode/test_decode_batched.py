@@ -29,10 +29,14 @@ SCHEDULE: dict[int, tuple[dict[str, int], list[str]]] = {
 STEPS = 100
 
 
-def test_batched_decode_equals_reference_over_changing_batches(model, make_mem) -> None:
+@pytest.mark.parametrize("fast", [True, False], ids=["kernels+trim", "static (the form graphs capture)"])
+def test_batched_decode_equals_reference_over_changing_batches(model, make_mem, fast: bool) -> None:
     ref, bat = make_mem(), make_mem()
     free0 = bat.free_counts()
-    runner = DecodeGraphRunner(model, bat.kv, bat.req_pool, 1024, buckets=(1, 2, 4, 8), mode="eager")
+    runner = DecodeGraphRunner(
+        model, bat.kv, bat.req_pool, 1024, buckets=(1, 2, 4, 8), mode="eager", kernels=fast, trim=fast
+    )
+    assert runner.use_kernels == runner.trim == fast
     ptrs = {k: t.data_ptr() for k, t in runner.static_tensors().items()}
     g = torch.Generator().manual_seed(0)
     next_token: dict[str, int] = {}

@@ -5,16 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv4_engine import kernels
 from dsv4_engine.attention import DecodeBuffers, build_decode_metadata
-from dsv4_engine.attention.decode_fill import fill_decode_buffers, step_inputs
+from dsv4_engine.attention.decode_fill import fill_decode_buffers, fill_decode_buffers_kernel, step_inputs
 from dsv4_engine.memory import ExtendSpec
 
 # Prompt lengths around the window (16), ratio-4, ratio-128 and state-tail (tail <= 3) boundaries.
 LENGTHS = (1, 3, 15, 16, 126, 127, 128, 130, 255, 256, 259, 383, 511)
 
 
+@pytest.mark.parametrize("fill", ["torch", "kernel"])
 @pytest.mark.parametrize("batch", [1, 3, 4])
-def test_fill_equals_reference_builder(make_mem, batch: int) -> None:
+def test_fill_equals_reference_builder(make_mem, batch: int, fill: str) -> None:
+    if fill == "kernel":
+        assert kernels.available()
+    fill_fn = fill_decode_buffers_kernel if fill == "kernel" else fill_decode_buffers
     mem = make_mem()
     ref_bufs = DecodeBuffers(mem.layout, 1024, buckets=(1, 4))
     fast_bufs = DecodeBuffers(mem.layout, 1024, buckets=(1, 4))
@@ -32,7 +37,8 @@ def test_fill_equals_reference_builder(make_mem, batch: int) -> None:
         want = ref_bufs.refresh(meta)
         bs = fast_bufs.bucket_for(len(reqs))
         req, pos, valid = step_inputs(reqs, [s.prefix_len for s in specs], bs)
-        fill_decode_buffers(fast_bufs.buffers(bs), mem.req_pool, 128, req, pos, valid)
+        fast_bufs.buffers(bs).page_table.fill_(-7)  # stale contents must all be overwritten
+        fill_fn(fast_bufs.buffers(bs), mem.req_pool, 128, req, pos, valid)
         got = fast_bufs.buffers(bs).tensors()
         for name, value in want.tensors().items():
             assert torch.equal(got[name], value), f"step {step}: {name} differs"

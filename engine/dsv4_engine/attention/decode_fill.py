@@ -103,6 +103,37 @@ def fill_decode_buffers(
         _fill_compress(buf.c128, c128_state, c128_rows, req, pos, valid, rows)
 
 
+MAIN_FIELDS = (
+    "req_indices", "prefix_lens", "seq_lens", "extend_lens", "cu_extend",
+    "positions", "token_req", "out_swa_loc", "swa_slots", "page_table",
+)  # fmt: skip
+COMPRESS_FIELDS = (
+    "block_req", "state_write_token", "block_positions", "block_loc", "block_mask", "state_read_start",
+    "state_read_len", "state_read_slots", "state_write_pos", "state_write_loc", "state_write_mask", "visible",
+)  # fmt: skip
+
+
+def fill_decode_buffers_kernel(
+    buf: AttentionMetadata,
+    req_pool: Dsv4ReqPool,
+    page_size: int,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    valid: torch.Tensor,
+) -> None:
+    """`fill_decode_buffers` as one `dsv4::fill_decode` CPU kernel call (about 230 eager ops
+    otherwise). It reads the inputs on the host, so it is for eager CPU steps only."""
+    fields = [getattr(buf, name) for name in MAIN_FIELDS]
+    c4 = [getattr(buf.c4, name) for name in COMPRESS_FIELDS] if buf.c4 is not None else []
+    c128 = [getattr(buf.c128, name) for name in COMPRESS_FIELDS] if buf.c128 is not None else []
+    torch.ops.dsv4.fill_decode(
+        req, pos, valid, req_pool.req_to_token_swa, req_pool.req_to_token,
+        req_pool.req_to_token_c4_state, req_pool.req_to_token_c4,
+        req_pool.req_to_token_c128_state, req_pool.req_to_token_c128,
+        page_size, STATE_TAIL_BLOCK, fields, c4, c128,
+    )  # fmt: skip
+
+
 def step_inputs(
     req_indices: Sequence[int], positions: Sequence[int], bucket: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

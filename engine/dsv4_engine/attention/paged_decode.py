@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from ..memory.pools import Dsv4TokenToKVPool
 from ..model.attention import Dsv4Attention
 from ..model.compressor import Compressor
-from ..model.ops import unweighted_rms_norm
-from ..rope import rotate
+from ..model.decode_ops import TorchOps
+from ..model.packed import Packed, attention_inputs
 from .metadata import AttentionMetadata, CompressMetadata
 
 NEG_INF = float("-inf")
@@ -59,6 +59,12 @@ def all_row_slots(page_table: torch.Tensor, ratio: int, page_size: int) -> torch
     return page_table.to(torch.int64)[:, j // per_page] * per_page + j % per_page
 
 
+def gather_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`pool[slots]` for a flat pool `[S, W]` and slots of any shape, as one `index_select` (advanced
+    indexing is several times slower on CPU for these shapes)."""
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, pool.shape[-1])
+
+
 def _masked_put(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
     """pool[slots] = rows where mask, else the KV sentinel (0) into slot 0 (which it already holds)."""
     keep = mask[:, None]
@@ -67,18 +73,24 @@ def _masked_put(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, mas
 
 def compress_decode(
     comp: Compressor,
-    x: torch.Tensor,
+    kv: torch.Tensor,
+    gate: torch.Tensor,
     positions: torch.Tensor,
     cm: CompressMetadata,
     state: torch.Tensor,
     rows_pool: torch.Tensor,
+    ops: TorchOps,
+    sparse: bool = False,
 ) -> None:
-    """Advance one compressor by one token per row: state write and, where a block completes, its row."""
-    r, d, coff = comp.ratio, comp.head_dim, comp.coff
-    kv, gate = comp.project(x)  # [B, coff*D]
+    """Advance one compressor by one token per row (`kv`, `gate`: its projections of the input,
+    `[B, coff*D]`): state write and, where a block completes, its row.
+
+    sparse: pool only the rows that complete a block (one in `ratio` per step on average; at ratio 128
+    the static form gathers and softmaxes 128 state rows for every row, every step). It reads
+    `block_mask` back to the host, so only the eager step may ask for it."""
+    r, half = comp.ratio, comp.coff * comp.head_dim
     score = gate + comp.position_bias.index_select(0, positions % r)
     own = torch.cat([kv.to(state.dtype), score.to(state.dtype)], dim=-1)  # [B, 2*coff*D]
-    half = coff * d
     # Write before read (so a compiler updates the pool in place instead of copying it): the token's
     # state row goes to its slot; masked rows rewrite the state sentinel (kv 0, score -inf) into slot 0.
     # The read below never sees it: columns at or after the token's position are slot 0 there.
@@ -88,20 +100,44 @@ def compress_decode(
         [torch.where(keep, own[:, :half], 0.0), torch.where(keep, own[:, half:], sentinel_score)], dim=-1
     )
     state.index_put_((torch.where(cm.state_write_mask, cm.state_write_loc, 0),), masked)
-    width = cm.state_read_slots.shape[1]
-    stored = state[cm.state_read_slots]  # [B, width, 2*coff*D]; sentinel rows where not stored
-    col = torch.arange(width, device=x.device)[None, :] == (positions - cm.state_read_start)[:, None]
+    if not sparse:
+        row = _pool(comp, own, positions, cm.state_read_start, cm.state_read_slots, state, kv.dtype, ops)
+        cos, sin = comp.rope.lookup(cm.block_positions)
+        _masked_put(rows_pool, cm.block_loc, ops.rotate(row, cos, sin), cm.block_mask)
+        return
+    done = cm.block_mask.nonzero().squeeze(1)
+    if len(done):
+        start, slots = cm.state_read_start[done], cm.state_read_slots[done]
+        row = _pool(comp, own[done], positions[done], start, slots, state, kv.dtype, ops)
+        cos, sin = comp.rope.lookup(cm.block_positions[done])
+        rows_pool.index_put_((cm.block_loc[done],), ops.rotate(row, cos, sin).to(rows_pool.dtype))
+
+
+def _pool(
+    comp: Compressor,
+    own: torch.Tensor,
+    positions: torch.Tensor,
+    read_start: torch.Tensor,
+    read_slots: torch.Tensor,
+    state: torch.Tensor,
+    dtype: torch.dtype,
+    ops: TorchOps,
+) -> torch.Tensor:
+    """The normalised compressed row `[B, D]` each row's window pools (the token's own state row in
+    its column, the stored rows elsewhere), before RoPE."""
+    r, d, half = comp.ratio, comp.head_dim, comp.coff * comp.head_dim
+    width = read_slots.shape[1]
+    stored = gather_rows(state, read_slots)  # [B, width, 2*coff*D]; sentinel rows where not stored
+    col = torch.arange(width, device=own.device)[None, :] == (positions - read_start)[:, None]
     window = torch.where(col[..., None], own[:, None, :], stored)
-    if coff == 2:  # row b pools block b-1's first halves and block b's second halves
+    if comp.coff == 2:  # row b pools block b-1's first halves and block b's second halves
         win_kv = torch.cat([window[:, :r, :d], window[:, r:, d:half]], dim=1)
         win_score = torch.cat([window[:, :r, half : half + d], window[:, r:, half + d :]], dim=1)
     else:
         win_kv, win_score = window[..., :half], window[..., half:]
-    win_kv = win_kv.to(kv.dtype)
-    weights = win_score.to(score.dtype).softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
-    row = comp.kv_norm((win_kv * weights).sum(dim=1))  # [B, D]
-    cos, sin = comp.rope.lookup(cm.block_positions)
-    _masked_put(rows_pool, cm.block_loc, rotate(row, cos, sin), cm.block_mask)
+    win_kv = win_kv.to(dtype)
+    weights = win_score.to(dtype).softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
+    return ops.norm(comp.kv_norm, (win_kv * weights).sum(dim=1))
 
 
 def _bias(visible: torch.Tensor) -> torch.Tensor:
@@ -115,51 +151,88 @@ def paged_decode_attention(
     pools: PoolViews,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    for_compiler: bool = False,
+    ops: TorchOps,
+    num_pages: int | None = None,
+    packed: Packed | None = None,
 ) -> torch.Tensor:
-    """`Dsv4Attention.forward` for one decode token per row `x [B, hidden]`, from the pools."""
+    """`Dsv4Attention.forward` for one decode token per row `x [B, hidden]`, from the pools.
+
+    packed: `attention_inputs(attn)` packed into one GEMM (`model.packed`); else one per projection.
+
+    num_pages (eager only): the step's longest context in pages. Compressed keys are gathered from
+    that many pages instead of the table's full width (the longest context the buffers allow), and
+    block pooling runs only for rows that complete a block (host reads; see `compress_decode`)."""
     layer, bsz = attn.layer, x.shape[0]
-    q_residual = attn.q_a_norm(attn.q_a_proj(x))
+    projected = packed(x) if packed is not None else [m(x) for m in attention_inputs(attn)]
+    q_residual = ops.norm(attn.q_a_norm, projected[0])
     q = attn.q_b_proj(q_residual).view(bsz, attn.num_heads, attn.head_dim)
-    q = rotate(unweighted_rms_norm(q, attn.eps), cos[:, None], sin[:, None])
-    kv = rotate(attn.kv_norm(attn.kv_proj(x)), cos, sin)
+    q = ops.rotate(ops.unit_norm(q, attn.eps), cos, sin)
+    kv = ops.rotate(ops.norm(attn.kv_norm, projected[1]), cos, sin)
 
     valid = meta.seq_lens > 0
     swa = pools.swa[layer]
     _masked_put(swa, meta.out_swa_loc, kv, valid)
-    keys = swa[meta.swa_slots.clamp(min=0)].to(kv.dtype)  # [B, W, D], oldest first
+    keys = gather_rows(swa, meta.swa_slots.clamp(min=0)).to(kv.dtype)  # [B, W, D], oldest first
     bias = _bias(meta.swa_slots >= 0)
 
     comp = attn.compressor
+    sparse = num_pages is not None
+    page_table = meta.page_table if num_pages is None else meta.page_table[:, :num_pages]
     if comp is not None:
         positions = meta.positions
         if attn.ratio == 4:
             cm = meta.c4
             indexer = comp.indexer
-            compress_decode(comp, x, positions, cm, pools.c4_state[layer], pools.c4[layer])
-            compress_decode(indexer, x, positions, cm, pools.c4_index_state[layer], pools.indexer[layer])
-            slots = all_row_slots(meta.page_table, 4, pools.page_size)  # [B, N]
-            idx_q, idx_w = indexer.queries(x, q_residual, cos, sin)
-            idx_keys = pools.indexer[layer][slots].float()  # [B, N, Di]
+            comp_kv, comp_gate, idx_kv, idx_gate, idx_w = projected[2:]
+            compress_decode(
+                comp, comp_kv, comp_gate, positions, cm, pools.c4_state[layer], pools.c4[layer], ops, sparse
+            )
+            compress_decode(
+                indexer,
+                idx_kv,
+                idx_gate,
+                positions,
+                cm,
+                pools.c4_index_state[layer],
+                pools.indexer[layer],
+                ops,
+                sparse,
+            )
+            slots = all_row_slots(page_table, 4, pools.page_size)  # [B, N]
+            idx_q = indexer.q_b_proj(q_residual).view(bsz, indexer.num_heads, indexer.head_dim)
+            idx_q = ops.rotate(idx_q, cos, sin)  # as Indexer.queries
+            idx_w = idx_w.float() * indexer.weights_scaling
+            idx_keys = gather_rows(pools.indexer[layer], slots).float()  # [B, N, Di]
             scores = F.relu(torch.matmul(idx_q.float(), idx_keys.transpose(1, 2))) * indexer.softmax_scale
             scores = (scores * idx_w[:, :, None]).sum(dim=1)  # [B, N]
             rows = torch.arange(slots.shape[1], device=x.device)[None, :]
             scores = scores.masked_fill(rows >= cm.visible[:, None], NEG_INF)
-            picked = _stable_topk(scores, min(indexer.topk, slots.shape[1]), for_compiler)
-            comp_keys = pools.c4[layer][slots.gather(1, picked)]
+            picked = _stable_topk(scores, min(indexer.topk, slots.shape[1]), ops.for_compiler)
+            comp_keys = gather_rows(pools.c4[layer], slots.gather(1, picked))
             comp_bias = _bias(picked < cm.visible[:, None])
         else:
             cm = meta.c128
-            compress_decode(comp, x, positions, cm, pools.c128_state[layer], pools.c128[layer])
-            slots = all_row_slots(meta.page_table, 128, pools.page_size)
-            comp_keys = pools.c128[layer][slots]
+            comp_kv, comp_gate = projected[2:]
+            compress_decode(
+                comp,
+                comp_kv,
+                comp_gate,
+                positions,
+                cm,
+                pools.c128_state[layer],
+                pools.c128[layer],
+                ops,
+                sparse,
+            )
+            slots = all_row_slots(page_table, 128, pools.page_size)
+            comp_keys = gather_rows(pools.c128[layer], slots)
             rows = torch.arange(slots.shape[1], device=x.device)[None, :]
             comp_bias = _bias(rows < cm.visible[:, None])
         keys = torch.cat([keys, comp_keys.to(keys.dtype)], dim=1)
         bias = torch.cat([bias, comp_bias], dim=1)
 
-    out = _attend(attn, q, keys, bias)
-    out = rotate(out, cos[:, None], -sin[:, None])  # undo RoPE carried by V
+    out = ops.attend(attn, q, keys, bias)
+    out = ops.rotate(out, cos, sin, inverse=True)  # undo RoPE carried by V
     return attn.o_b_proj(attn.o_a_proj(out.reshape(bsz, attn.o_groups, -1)))
 
 
@@ -177,13 +250,3 @@ def _stable_topk(scores: torch.Tensor, k: int, by_keys: bool) -> torch.Tensor:
     order = torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))  # monotone in the float value
     rev = n - 1 - torch.arange(n, device=scores.device)
     return torch.topk(order * n + rev, k, dim=-1).indices
-
-
-def _attend(attn: Dsv4Attention, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Softmax over [keys | sink] per head; `q [B, H, D]`, `keys [B, K, D]`, `bias [B, K]`."""
-    logits = torch.matmul(q, keys.transpose(1, 2)) * attn.scaling + bias[:, None, :].to(q.dtype)
-    sinks = attn.sinks.view(1, -1, 1).expand(q.shape[0], -1, 1)
-    logits = torch.cat([logits, sinks], dim=-1)  # sinks are fp32: promotes like the reference
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
-    return torch.matmul(probs, keys)  # [B, H, D]

@@ -18,51 +18,37 @@ import torch.nn.functional as F
 
 from dsv4_engine.attention.metadata import AttentionMetadata
 from dsv4_engine.attention.paged_decode import PoolViews, paged_decode_attention
-from dsv4_engine.model.hyper import HyperConnection, expand
+from dsv4_engine.model.decode_ops import TorchOps
 from dsv4_engine.model.model import Dsv4ForCausalLM
 from dsv4_engine.model.moe import MoE, swiglu
-
-
-def hyper_connection(
-    hc: HyperConnection, streams: torch.Tensor, matmul_sums: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`HyperConnection.forward`; `matmul_sums` does each Sinkhorn sum + eps as one `baddbmm` (fewer
-    eager ops); without it the sums stay reductions, which a compiler fuses into one kernel."""
-    n, bsz = hc.n, streams.shape[0]
-    pre, post, comb = hc.weights(streams)
-    if not matmul_sums:
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
-        for _ in range(hc.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
-        return post, comb, hc.collapse(pre, streams)
-    eps = comb.new_full((1, 1, 1), hc.hc_eps)
-    ones_row = comb.new_ones(1, 1, n).expand(bsz, 1, n)
-    ones_col = comb.new_ones(1, n, 1).expand(bsz, n, 1)
-    comb = comb / torch.baddbmm(eps, ones_row, comb)  # columns
-    for _ in range(hc.iters - 1):
-        comb = comb / torch.baddbmm(eps, comb, ones_col)  # rows
-        comb = comb / torch.baddbmm(eps, ones_row, comb)  # columns
-    return post, comb, hc.collapse(pre, streams)
+from dsv4_engine.model.packed import Packed
 
 
 def moe_decode(
-    moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, for_compiler: bool = False
+    moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, ops: TorchOps, shared_pack: Packed | None = None
 ) -> torch.Tensor:
-    """MoE with a static shape: gathered expert weights while B*k < E, else every expert densely.
-    For a compiler the gathered form is written as multiply + sum, which it fuses into one
-    reduction reading the picked experts' weights in place (no copy of them)."""
+    """MoE with a static output shape. With `ops.moe_kernel`, `dsv4::moe_experts` groups the rows by
+    expert (two GEMMs per expert in use, any batch size) except under a compiler while B*k < E, where
+    the per-slot gathered matmuls below compile to fewer, faster kernels. Without it: gathered expert
+    weights while B*k < E, else every expert densely. `shared_pack`: the shared expert's gate and up
+    projections as one GEMM."""
     weights, ids = moe.gate(x, input_ids)  # [B, k]
     experts = moe.experts
     bsz, k = ids.shape
     num_experts, limit = experts.num_experts, experts.limit
-    if bsz * k < num_experts and for_compiler:
-        h = (experts.gate_up_proj[ids] * x[:, None, None, :]).sum(dim=-1)  # [B, k, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        act = swiglu(gate, up, limit)
-        y = (experts.down_proj[ids] * act[:, :, None, :]).sum(dim=-1)  # [B, k, D]
-        routed = (y * weights[..., None].to(y.dtype)).sum(dim=1)
-    elif bsz * k < num_experts:  # small batch: read only the picked experts' weights
+    small, for_compiler = bsz * k < num_experts, ops.for_compiler
+    if ops.moe_kernel and not (for_compiler and small):
+        routed = torch.ops.dsv4.moe_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, limit)
+        return routed + _shared_expert(moe, x, shared_pack)
+    if small and for_compiler:  # one gathered batched GEMV per slot: the compiler's best form here
+        routed = x.new_zeros(())
+        for slot in range(k):
+            picked = ids[:, slot]
+            h = torch.bmm(experts.gate_up_proj[picked], x[:, :, None]).squeeze(-1)  # [B, 2I]
+            gate, up = h.chunk(2, dim=-1)
+            y = torch.bmm(experts.down_proj[picked], swiglu(gate, up, limit)[:, :, None]).squeeze(-1)
+            routed = routed + y * weights[:, slot, None].to(y.dtype)
+    elif small:  # read only the picked experts' weights
         h = torch.matmul(experts.gate_up_proj[ids], x[:, None, :, None]).squeeze(-1)  # [B, k, 2I]
         gate, up = h.chunk(2, dim=-1)
         y = torch.matmul(experts.down_proj[ids], swiglu(gate, up, limit)[..., None]).squeeze(-1)
@@ -76,7 +62,15 @@ def moe_decode(
         dense = torch.zeros(bsz, num_experts, dtype=y.dtype, device=y.device)
         dense = dense.scatter_add(1, ids, weights.to(y.dtype))
         routed = torch.einsum("be,ebd->bd", dense, y)
-    return routed.to(x.dtype) + moe.shared_experts(x)
+    return routed.to(x.dtype) + _shared_expert(moe, x, shared_pack)
+
+
+def _shared_expert(moe: MoE, x: torch.Tensor, pack: Packed | None) -> torch.Tensor:
+    shared = moe.shared_experts
+    if pack is None:
+        return shared(x)
+    gate, up = pack(x)
+    return shared.down_proj(swiglu(gate, up, shared.limit))
 
 
 def decode_logits(
@@ -85,23 +79,28 @@ def decode_logits(
     meta: AttentionMetadata,
     pools: PoolViews,
     *,
-    for_compiler: bool = False,
+    ops: TorchOps | None = None,
+    num_pages: int | None = None,
+    packs: list[tuple[Packed, Packed]] | None = None,
 ) -> torch.Tensor:
     """Logits `[B, vocab]` (fp32) of one decode token per row; writes the step's KV and state.
-    `for_compiler` picks the formulations a compiler fuses best over those with fewest eager ops."""
+    `ops`: plain torch (default) or the `dsv4::` CPU kernels (`decode_ops`), chosen outside traced code.
+    `num_pages` (eager only): the step's longest context in pages (`paged_decode_attention`).
+    `packs`: per layer, the packed attention-input and shared-expert projections (`model.packed`)."""
+    ops = ops or TorchOps()
     m = model.model
     rope = {id(t): t.lookup(meta.positions) for t in m.rope.tables.values()}
     x = m.embed_tokens(input_ids)
     streams = x.unsqueeze(1).expand(-1, m.config.hc_mult, -1).contiguous()
-    for layer in m.layers:
+    for i, layer in enumerate(m.layers):
         attn = layer.self_attn
+        attn_pack, shared_pack = packs[i] if packs is not None else (None, None)
         cos, sin = rope[id(attn.rope)]
-        post, comb, collapsed = hyper_connection(layer.attn_hc, streams, not for_compiler)
-        out = paged_decode_attention(
-            attn, layer.input_layernorm(collapsed), meta, pools, cos, sin, for_compiler
-        )
-        streams = expand(post, comb, out, streams)
-        post, comb, collapsed = hyper_connection(layer.ffn_hc, streams, not for_compiler)
-        out = moe_decode(layer.mlp, layer.post_attention_layernorm(collapsed), input_ids, for_compiler)
-        streams = expand(post, comb, out, streams)
-    return model.compute_logits(m.norm(m.hc_head(streams)))
+        post, comb, collapsed = ops.hc_pre(layer.attn_hc, streams)
+        x = ops.norm(layer.input_layernorm, collapsed)
+        out = paged_decode_attention(attn, x, meta, pools, cos, sin, ops, num_pages, attn_pack)
+        streams = ops.hc_post(post, comb, out, streams)
+        post, comb, collapsed = ops.hc_pre(layer.ffn_hc, streams)
+        x = ops.norm(layer.post_attention_layernorm, collapsed)
+        streams = ops.hc_post(post, comb, moe_decode(layer.mlp, x, input_ids, ops, shared_pack), streams)
+    return model.compute_logits(ops.norm(m.norm, m.hc_head(streams)))

@@ -1,0 +1,109 @@
+"""Fused CPU kernels for the decode step: `torch.ops.dsv4.*` (mHC, routed experts, norms, RoPE, the
+decode metadata fill).
+
+Eager torch pays a Python dispatch per op (5-10 us on these machines); the mHC Sinkhorn alone is ~80
+ops per sub-block. `cpu.cpp` runs the same aten sequences from C++ and the 4x4 Sinkhorn as plain
+loops, one dispatch per kernel. It is built with torch's C++ extension tooling on first use into
+`$XDG_CACHE_HOME/dsv4/kernels/<hash>` (the hash covers the source, torch's version and the compiler
+flags), so a second process only loads the shared library. Each op has a fake (meta) implementation,
+so `torch.compile` keeps it as one opaque call.
+
+Only CPU tensors use them (NPU and CUDA have their own fused kernels behind the device layer); with
+`DSV4_KERNELS=0`, or when no C++ compiler is present, `available()` is False and callers run the
+torch code the kernels mirror.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu.cpp")
+CFLAGS = ("-O3",)
+_state: dict[str, bool] = {}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode())
+    return Path(base) / "dsv4" / "kernels" / key.hexdigest()[:16]
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # pip's ninja sits beside this interpreter
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    out = cache_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="dsv4_cpu_kernels",
+        sources=[str(SOURCE)],
+        build_directory=str(out),
+        extra_cflags=list(CFLAGS),
+        is_python_module=False,
+        verbose=False,
+    )
+    _register_fakes()
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("dsv4::hc_pre")
+    def _(streams, fn, base, scale, iters, hc_eps, norm_eps):  # type: ignore[no-untyped-def]
+        t, n = streams.shape[0], streams.shape[1]
+        f32 = torch.float32
+        post = streams.new_empty(t, n, dtype=f32)
+        comb = streams.new_empty(t, n, n, dtype=f32)
+        return post, comb, streams.new_empty(t, streams.shape[2])
+
+    @torch.library.register_fake("dsv4::hc_post")
+    def _(post, comb, out, streams):  # type: ignore[no-untyped-def]
+        return torch.empty_like(streams)
+
+    @torch.library.register_fake("dsv4::fill_decode")
+    def _(req, pos, valid, swa, tokens, c4s, c4r, c128s, c128r, page_size, tail, main, c4, c128):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("dsv4::sink_attention")
+    def _(q, keys, bias, sinks, scaling):  # type: ignore[no-untyped-def]
+        return q.new_empty(q.shape[0], q.shape[1], keys.shape[2], dtype=keys.dtype)
+
+    @torch.library.register_fake("dsv4::rms_norm")
+    def _(x, weight, eps):  # type: ignore[no-untyped-def]
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("dsv4::rope_rotate")
+    def _(x, cos, sin, inverse):  # type: ignore[no-untyped-def]
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("dsv4::moe_experts")
+    def _(x, gate_up, down, ids, weights, limit):  # type: ignore[no-untyped-def]
+        return torch.empty_like(x)
+
+
+def available() -> bool:
+    """True once the kernels are loaded; builds them on the first call (a minute, then cached)."""
+    if "ok" not in _state:
+        if os.environ.get("DSV4_KERNELS", "1") == "0":
+            _state["ok"] = False
+        else:
+            try:
+                _build()
+                _state["ok"] = True
+            except Exception as exc:  # no compiler, no headers: the torch code still runs
+                log.warning("fused CPU kernels unavailable, using torch ops: %s", exc)
+                _state["ok"] = False
+    return _state["ok"]
+
+
+def use_for(t: torch.Tensor) -> bool:
+    """Whether the kernels serve this tensor's device."""
+    return t.device.type == "cpu" and available()

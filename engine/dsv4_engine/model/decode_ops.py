@@ -1,0 +1,112 @@
+"""The small ops of the decode step, in two implementations picked once per runner.
+
+`TorchOps` is plain torch: the reference formulations, which a compiler fuses and a device graph
+captures (`for_compiler` picks the forms inductor fuses best over those with fewest eager ops).
+`KernelOps` runs the same math as `dsv4::` CPU kernels (`dsv4_engine.kernels`), one dispatch each:
+an eager CPU step pays ~5-10 us per dispatched op, and these are most of its ops (the mHC map with
+its Sinkhorn loop, RMS norms, RoPE). Under a compiler the kernels would only replace fused code
+with opaque calls, so compiled steps use `TorchOps`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_engine.model.attention import Dsv4Attention
+from dsv4_engine.model.hyper import HyperConnection, expand
+from dsv4_engine.model.ops import RMSNorm, unweighted_rms_norm
+from dsv4_engine.rope import rotate
+
+
+def _per_row(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """cos/sin `[B, R]` viewed to broadcast over x `[B, ..., D]`."""
+    return t.view(t.shape[0], *([1] * (x.dim() - 2)), t.shape[-1])
+
+
+class TorchOps:
+    def __init__(self, for_compiler: bool = False, moe_kernel: bool = False) -> None:
+        self.for_compiler = for_compiler
+        # `dsv4::moe_experts` (grouped by expert) for routed experts; under a compiler only where
+        # the gathered forms would not do (B*k >= E), see `decode_step.moe_decode`.
+        self.moe_kernel = moe_kernel
+
+    def norm(self, m: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return m(x)
+
+    def unit_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        return unweighted_rms_norm(x, eps)
+
+    def rotate(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
+        """RoPE on x `[B, ..., D]` with one cos/sin row `[B, R]` per batch row; inverse undoes it."""
+        return rotate(x, _per_row(cos, x), _per_row(-sin if inverse else sin, x))
+
+    def hc_pre(
+        self, hc: HyperConnection, streams: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`HyperConnection.forward`. Eagerly each Sinkhorn sum + eps is one `baddbmm` (fewer ops);
+        for a compiler the sums stay reductions, which it fuses into one kernel."""
+        n, bsz = hc.n, streams.shape[0]
+        pre, post, comb = hc.weights(streams)
+        if self.for_compiler:
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
+            for _ in range(hc.iters - 1):
+                comb = comb / (comb.sum(dim=-1, keepdim=True) + hc.hc_eps)
+                comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
+            return post, comb, hc.collapse(pre, streams)
+        eps = comb.new_full((1, 1, 1), hc.hc_eps)
+        ones_row = comb.new_ones(1, 1, n).expand(bsz, 1, n)
+        ones_col = comb.new_ones(1, n, 1).expand(bsz, n, 1)
+        comb = comb / torch.baddbmm(eps, ones_row, comb)  # columns
+        for _ in range(hc.iters - 1):
+            comb = comb / torch.baddbmm(eps, comb, ones_col)  # rows
+            comb = comb / torch.baddbmm(eps, ones_row, comb)  # columns
+        return post, comb, hc.collapse(pre, streams)
+
+    def hc_post(
+        self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
+    ) -> torch.Tensor:
+        return expand(post, comb, out, streams)
+
+    def attend(
+        self, attn: Dsv4Attention, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """Softmax over [keys | sink] per head; `q [B, H, D]`, `keys [B, K, D]`, `bias [B, K]`."""
+        logits = torch.matmul(q, keys.transpose(1, 2)) * attn.scaling + bias[:, None, :].to(q.dtype)
+        sinks = attn.sinks.view(1, -1, 1).expand(q.shape[0], -1, 1)
+        logits = torch.cat([logits, sinks], dim=-1)  # sinks are fp32: promotes like the reference
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
+        return torch.matmul(probs, keys)  # [B, H, D]
+
+
+class KernelOps(TorchOps):
+    def __init__(self) -> None:
+        super().__init__(for_compiler=False, moe_kernel=True)
+
+    def norm(self, m: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.dsv4.rms_norm(x, m.weight, m.eps)
+
+    def unit_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.ops.dsv4.rms_norm(x, None, eps)
+
+    def rotate(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
+        return torch.ops.dsv4.rope_rotate(x, cos, sin, inverse)
+
+    def hc_pre(
+        self, hc: HyperConnection, streams: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.ops.dsv4.hc_pre(streams, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
+
+    def hc_post(
+        self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.ops.dsv4.hc_post(post, comb, out, streams)
+
+    def attend(
+        self, attn: Dsv4Attention, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.ops.dsv4.sink_attention(q, keys, bias, attn.sinks, attn.scaling)
