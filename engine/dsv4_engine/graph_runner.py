@@ -99,7 +99,7 @@ class DecodeGraphRunner:
         # compiled and captured steps keep the buffers' full width.
         self.num_pages: dict[int, int] = {}
         # Decided here, once: traced code must not look at the kernels' build state.
-        self.use_kernels = kernels is not False and cpu_kernels.use_for(self.input_ids[self.buckets[0]])
+        self.use_kernels = kernels is not False and cpu_kernels.use_for(self.device)
         self.trim = mode == "eager" and trim is not False
         self.packs = decode_packs(model)
         self.num_compiles = 0  # compile events (compiled mode) / captures (graph mode)

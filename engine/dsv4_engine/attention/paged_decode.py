@@ -199,9 +199,8 @@ def paged_decode_attention(
                 sparse,
             )
             slots = all_row_slots(page_table, 4, pools.page_size)  # [B, N]
-            idx_q = indexer.q_b_proj(q_residual).view(bsz, indexer.num_heads, indexer.head_dim)
-            idx_q = ops.rotate(idx_q, cos, sin)  # as Indexer.queries
-            idx_w = idx_w.float() * indexer.weights_scaling
+            idx_q = ops.rotate(indexer.unrotated_queries(q_residual), cos, sin)  # as Indexer.queries
+            idx_w = indexer.head_weights(idx_w)
             idx_keys = gather_rows(pools.indexer[layer], slots).float()  # [B, N, Di]
             scores = F.relu(torch.matmul(idx_q.float(), idx_keys.transpose(1, 2))) * indexer.softmax_scale
             scores = (scores * idx_w[:, :, None]).sum(dim=1)  # [B, N]

@@ -104,6 +104,6 @@ def available() -> bool:
     return _state["ok"]
 
 
-def use_for(t: torch.Tensor) -> bool:
-    """Whether the kernels serve this tensor's device."""
-    return t.device.type == "cpu" and available()
+def use_for(device: torch.device) -> bool:
+    """Whether the kernels serve this device (CPU only; built on the first call)."""
+    return device.type == "cpu" and available()

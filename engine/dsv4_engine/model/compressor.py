@@ -109,10 +109,15 @@ class Indexer(Compressor):
         self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated index queries `[T, H, Di]` and head weights `[T, H]` (fp32) for all tokens."""
-        q = self.q_b_proj(q_residual).view(len(x), self.num_heads, self.head_dim)
-        q = rotate_(q, cos[:, None], sin[:, None])
-        weights = self.scorer.weights_proj(x).float() * self.weights_scaling
-        return q, weights
+        q = rotate_(self.unrotated_queries(q_residual), cos[:, None], sin[:, None])
+        return q, self.head_weights(self.scorer.weights_proj(x))
+
+    def unrotated_queries(self, q_residual: torch.Tensor) -> torch.Tensor:
+        return self.q_b_proj(q_residual).view(len(q_residual), self.num_heads, self.head_dim)
+
+    def head_weights(self, projected: torch.Tensor) -> torch.Tensor:
+        """Per-head weights `[T, H]` (fp32) from `scorer.weights_proj`'s output."""
+        return projected.float() * self.weights_scaling
 
     def select(
         self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq: SeqSlice

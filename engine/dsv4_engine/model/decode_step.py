@@ -66,11 +66,7 @@ def moe_decode(
 
 
 def _shared_expert(moe: MoE, x: torch.Tensor, pack: Packed | None) -> torch.Tensor:
-    shared = moe.shared_experts
-    if pack is None:
-        return shared(x)
-    gate, up = pack(x)
-    return shared.down_proj(swiglu(gate, up, shared.limit))
+    return moe.shared_experts(x) if pack is None else moe.shared_experts.combine(*pack(x))
 
 
 def decode_logits(

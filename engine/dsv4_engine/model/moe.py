@@ -96,7 +96,11 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.combine(self.gate_proj(x), self.up_proj(x))
+
+    def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The expert's output from its gate and up projections (the decode step packs those two)."""
+        return self.down_proj(swiglu(gate, up, self.limit))
 
 
 class MoE(nn.Module):
