@@ -64,10 +64,6 @@ def _register_fakes() -> None:
         comb = streams.new_empty(t, n, n, dtype=f32)
         return post, comb, streams.new_empty(t, streams.shape[2])
 
-    @torch.library.register_fake("dsv4::hc_post")
-    def _(post, comb, out, streams):  # type: ignore[no-untyped-def]
-        return torch.empty_like(streams)
-
     @torch.library.register_fake("dsv4::fill_decode")
     def _(req, pos, valid, swa, tokens, c4s, c4r, c128s, c128r, page_size, tail, main, c4, c128):  # type: ignore[no-untyped-def]
         return None

@@ -8,6 +8,11 @@
 #include <torch/library.h>
 
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <limits>
@@ -16,74 +21,72 @@
 
 namespace {
 
-// Sinkhorn-Knopp on [M, n, n] fp32 in place: columns, then (rows, columns) iters - 1 times,
-// each dividing by (sum + eps), as HyperConnection.forward.
-void sinkhorn_(at::Tensor& comb, int64_t iters, double eps) {
-  TORCH_CHECK(comb.scalar_type() == at::kFloat && comb.is_contiguous(), "sinkhorn: contiguous fp32");
-  const int64_t n = comb.size(-1);
-  const int64_t m = comb.numel() / (n * n);
-  const float e = static_cast<float>(eps);
-  float* p = comb.data_ptr<float>();
-  std::vector<float> sums(n);
-  auto columns = [&](float* c) {
-    for (int64_t j = 0; j < n; ++j) {
-      float s = 0.f;
-      for (int64_t i = 0; i < n; ++i) s += c[i * n + j];
-      sums[j] = s + e;
-    }
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < n; ++j) c[i * n + j] /= sums[j];
-  };
-  auto rows = [&](float* c) {
-    for (int64_t i = 0; i < n; ++i) {
-      float s = 0.f;
-      for (int64_t j = 0; j < n; ++j) s += c[i * n + j];
-      s += e;
-      for (int64_t j = 0; j < n; ++j) c[i * n + j] /= s;
+// Sinkhorn-Knopp, as HyperConnection.forward: columns, then (rows, columns) iters - 1 times, each
+// dividing by (sum + eps). It runs on a block of `b` rows of n x n matrices stored entry-major
+// (`c[(i * n + j) * b + r]` is entry (i, j) of row r), so every loop runs across rows and vectorises.
+void sinkhorn_block(float* c, int64_t n, int64_t b, int64_t iters, float eps, float* sums) {
+  auto normalise = [&](bool columns) {
+    for (int64_t u = 0; u < n; ++u) {  // u: the column (or row) whose n entries are summed
+      float* s = sums + u * b;
+      auto at = [&](int64_t v) { return c + (columns ? v * n + u : u * n + v) * b; };
+      std::copy(at(0), at(0) + b, s);
+      for (int64_t v = 1; v < n; ++v) {
+        const float* x = at(v);
+        for (int64_t r = 0; r < b; ++r) s[r] += x[r];
+      }
+      for (int64_t r = 0; r < b; ++r) s[r] += eps;
+      for (int64_t v = 0; v < n; ++v) {
+        float* x = at(v);
+        for (int64_t r = 0; r < b; ++r) x[r] /= s[r];
+      }
     }
   };
-  for (int64_t b = 0; b < m; ++b) {
-    float* c = p + b * n * n;
-    columns(c);
-    for (int64_t it = 1; it < iters; ++it) {
-      rows(c);
-      columns(c);
-    }
+  normalise(true);
+  for (int64_t it = 1; it < iters; ++it) {
+    normalise(false);
+    normalise(true);
   }
 }
 
-// HyperConnection.forward: (post [T, n], comb [T, n, n], collapsed [T, D]) for streams [T, n, D].
-// The map's GEMM goes to BLAS; everything after it is per-row loops (a few hundred flops a row).
-// fp32 streams scale the GEMM's output by the row's RMS factor, other dtypes scale its input, as
-// hyper.stream_mixes does.
+// HyperConnection.forward: (post [T, n], comb [T, n, n], collapsed [T, D]) for streams [T, n, D],
+// from the map's output `mixes` [T, (2 + n) * n]; rows in blocks of 64 (see sinkhorn_block).
 template <typename T>
 void hc_rows(const T* streams, const float* mixes, const float* base, const float* scale, int64_t t,
              int64_t n, int64_t d, int64_t iters, float hc_eps, float* post, float* comb, T* collapsed) {
+  constexpr int64_t B = 64;
   const int64_t width = (2 + n) * n;
-  std::vector<float> pre(n);
-  for (int64_t r = 0; r < t; ++r) {
-    const float* m = mixes + r * width;
-    float* po = post + r * n;
-    float* c = comb + r * n * n;
-    for (int64_t i = 0; i < n; ++i) {
-      pre[i] = 1.f / (1.f + std::exp(-(m[i] * scale[0] + base[i]))) + hc_eps;
-      po[i] = 2.f / (1.f + std::exp(-(m[n + i] * scale[1] + base[n + i])));
+  std::vector<float> pre(B * n), block(n * n * B), sums(n * B), acc(d);
+  for (int64_t r0 = 0; r0 < t; r0 += B) {
+    const int64_t b = std::min(B, t - r0);
+    for (int64_t r = 0; r < b; ++r) {
+      const float* m = mixes + (r0 + r) * width;
+      float* po = post + (r0 + r) * n;
+      for (int64_t i = 0; i < n; ++i) {
+        pre[r * n + i] = 1.f / (1.f + std::exp(-(m[i] * scale[0] + base[i]))) + hc_eps;
+        po[i] = 2.f / (1.f + std::exp(-(m[n + i] * scale[1] + base[n + i])));
+      }
+      for (int64_t i = 0; i < n; ++i) {  // softmax over each row of the n x n logits, then + eps
+        const float* l = m + 2 * n + i * n;
+        const float* bb = base + 2 * n + i * n;
+        float e[16], mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, e[j] = l[j] * scale[2] + bb[j]);
+        for (int64_t j = 0; j < n; ++j) sum += (e[j] = std::exp(e[j] - mx));
+        for (int64_t j = 0; j < n; ++j) block[(i * n + j) * b + r] = e[j] / sum + hc_eps;
+      }
     }
-    for (int64_t i = 0; i < n; ++i) {  // softmax over each row of the n x n logits, then + eps
-      const float* l = m + 2 * n + i * n;
-      const float* bb = base + 2 * n + i * n;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, l[j] * scale[2] + bb[j]);
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) sum += (c[i * n + j] = std::exp(l[j] * scale[2] + bb[j] - mx));
-      for (int64_t j = 0; j < n; ++j) c[i * n + j] = c[i * n + j] / sum + hc_eps;
-    }
-    const T* st = streams + r * n * d;
-    T* out = collapsed + r * d;
-    for (int64_t k = 0; k < d; ++k) {
-      float acc = 0.f;
-      for (int64_t i = 0; i < n; ++i) acc += pre[i] * static_cast<float>(st[i * d + k]);
-      out[k] = static_cast<T>(acc);
+    sinkhorn_block(block.data(), n, b, iters, hc_eps, sums.data());
+    for (int64_t r = 0; r < b; ++r)
+      for (int64_t ij = 0; ij < n * n; ++ij) comb[(r0 + r) * n * n + ij] = block[ij * b + r];
+    for (int64_t r = 0; r < b; ++r) {  // collapsed = sum_i pre_i * streams_i, in fp32
+      const T* st = streams + (r0 + r) * n * d;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t i = 0; i < n; ++i) {
+        const float p = pre[r * n + i];
+        const T* si = st + i * d;
+        for (int64_t k = 0; k < d; ++k) acc[k] += p * static_cast<float>(si[k]);
+      }
+      T* out = collapsed + (r0 + r) * d;
+      for (int64_t k = 0; k < d; ++k) out[k] = static_cast<T>(acc[k]);
     }
   }
 }
@@ -92,11 +95,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(
     const at::Tensor& streams, const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale,
     int64_t iters, double hc_eps, double norm_eps) {
   const int64_t t = streams.size(0), n = streams.size(1), d = streams.size(2);
+  TORCH_CHECK(n <= 16, "hc_pre: at most 16 streams");
   auto sc = streams.contiguous();
   auto flat = sc.view({t, n * d}).to(at::kFloat);
-  auto inv_rms = at::rsqrt(flat.square().mean({-1}, true) + norm_eps);
   auto w = fn.to(at::kFloat);
-  auto mixes = sc.scalar_type() == at::kFloat ? at::mm(flat, w.t()) * inv_rms : at::mm(flat * inv_rms, w.t());
+  at::Tensor mixes;  // hyper.stream_mixes: fp32 scales the map's output, other dtypes its input
+  if (sc.scalar_type() == at::kFloat) {
+    auto sum_sq = at::linalg_vector_norm(flat, 2, {-1}, true).square_();
+    mixes = at::mm(flat, w.t()).mul_(at::rsqrt(sum_sq.div_(n * d).add_(norm_eps)));
+  } else {
+    mixes = at::mm(flat * at::rsqrt(flat.square().mean({-1}, true) + norm_eps), w.t());
+  }
   mixes = mixes.contiguous();
   auto b = base.to(at::kFloat).contiguous(), s = scale.to(at::kFloat).contiguous();
   auto post = at::empty({t, n}, flat.options());
@@ -107,51 +116,165 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(
                       s.data_ptr<float>(), t, n, d, iters, static_cast<float>(hc_eps),
                       post.data_ptr<float>(), comb.data_ptr<float>(), collapsed.data_ptr<scalar_t>());
   });
-  sinkhorn_(comb, iters, hc_eps);
   return {post, comb, collapsed};
 }
 
-// model.hyper.expand: post_k * out + sum_j comb[j, k] * streams_j.
-at::Tensor hc_post(const at::Tensor& post, const at::Tensor& comb, const at::Tensor& out,
-                   const at::Tensor& streams) {
-  const auto dtype = streams.scalar_type();
-  return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) +
-         at::matmul(comb.to(dtype).transpose(-1, -2), streams);
-}
+// The (token, expert) pairs of `ids` [T, k] grouped by expert, in token order within each expert
+// (a stable counting sort, as argsort(stable=True)): pairs `order[start[e]..start[e+1])` are expert e's.
+struct ExpertGroups {
+  std::vector<int64_t> order, start;
+};
 
-// Experts.forward: routed experts grouped by expert (one gather, two GEMMs, one index_add each),
-// in the same expert order, so the result equals the torch loop; the output shape is static.
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
-                       const at::Tensor& ids, const at::Tensor& weights, double limit) {
-  const int64_t num_experts = gate_up.size(0), k = ids.size(1), inter = down.size(2);
-  auto out = at::zeros_like(x);
+ExpertGroups group_by_expert(const at::Tensor& ids, int64_t num_experts) {
   auto flat = ids.flatten().to(at::kLong).contiguous();
   const int64_t* id = flat.data_ptr<int64_t>();
   const int64_t pairs = flat.numel();
-  std::vector<int64_t> start(num_experts + 1, 0);
+  ExpertGroups g{std::vector<int64_t>(pairs), std::vector<int64_t>(num_experts + 1, 0)};
   for (int64_t i = 0; i < pairs; ++i) {
     TORCH_CHECK(id[i] >= 0 && id[i] < num_experts, "moe_experts: expert id out of range");
-    ++start[id[i] + 1];
+    ++g.start[id[i] + 1];
   }
-  for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
-  // Stable counting sort: pairs of each expert in token order, as argsort(stable=True).
-  auto order = at::empty({pairs}, flat.options());
-  int64_t* ord = order.data_ptr<int64_t>();
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t i = 0; i < pairs; ++i) ord[fill[id[i]]++] = i;
+  for (int64_t e = 0; e < num_experts; ++e) g.start[e + 1] += g.start[e];
+  std::vector<int64_t> fill(g.start.begin(), g.start.end() - 1);
+  for (int64_t i = 0; i < pairs; ++i) g.order[fill[id[i]]++] = i;
+  return g;
+}
+
+// Any dtype: per expert in use, the aten ops of Experts.forward on its rows (bit-equal to it).
+at::Tensor moe_experts_aten(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                            const ExpertGroups& g, int64_t k, const at::Tensor& weights, double limit) {
+  const int64_t num_experts = gate_up.size(0), inter = down.size(2);
+  auto out = at::zeros_like(x);
+  auto order = at::tensor(g.order, x.options().dtype(at::kLong));
   auto tokens = at::floor_divide(order, k);
   auto flat_weights = weights.flatten().index_select(0, order);
   for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t count = start[e + 1] - start[e];
+    const int64_t count = g.start[e + 1] - g.start[e];
     if (!count) continue;
-    auto rows = tokens.narrow(0, start[e], count);
+    auto rows = tokens.narrow(0, g.start[e], count);
     auto h = at::linear(x.index_select(0, rows), gate_up[e]);
     auto gate = h.narrow(-1, 0, inter), up = h.narrow(-1, inter, inter);
     auto act = at::silu(gate.clamp_max(limit)) * up.clamp(-limit, limit);
     auto y = at::linear(act, down[e]);
-    out.index_add_(0, rows, (y * flat_weights.narrow(0, start[e], count).unsqueeze(1)).to(out.scalar_type()));
+    out.index_add_(0, rows, (y * flat_weights.narrow(0, g.start[e], count).unsqueeze(1)).to(out.scalar_type()));
   }
   return out;
+}
+
+#if defined(__x86_64__)
+// Skinny fp32 GEMM, y[i, n] = dot(x_i, w_n) for a few rows x_i (given as pointers, so the routed
+// rows need no gather) against w [N, K] row-major. A decode step gives each expert ~T*k/E rows, where
+// MKL's sgemm streams the expert's weights at half the memory bandwidth; tiles of 2 rows x 6 weight
+// rows keep 12 accumulators in registers and read each weight once from memory. Every output is the
+// same sum in the same order whatever the number of rows, so a row's result does not depend on its
+// batch (MKL's kernel choice depends on M).
+#define DSV4_AVX2 __attribute__((target("avx2,fma")))
+
+DSV4_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int MB, int NB>
+DSV4_AVX2 void skinny_tile(const float* const* x, const float* w, int64_t k, float* y, int64_t ldy) {
+  __m256 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t k8 = k & ~int64_t(7);
+  for (int64_t c = 0; c < k8; c += 8) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(w + j * k + c);
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x[i] + c);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t c = k8; c < k; ++c) s += x[i][c] * w[j * k + c];
+      y[i * ldy + j] = s;
+    }
+}
+
+template <int NB>
+DSV4_AVX2 void skinny_rows(const float* const* x, int64_t m, const float* w, int64_t k, float* y, int64_t ldy) {
+  int64_t i = 0;
+  for (; i + 2 <= m; i += 2) skinny_tile<2, NB>(x + i, w, k, y + i * ldy, ldy);
+  if (i < m) skinny_tile<1, NB>(x + i, w, k, y + i * ldy, ldy);
+}
+
+void skinny_gemm(const float* const* x, int64_t m, const float* w, int64_t n, int64_t k, float* y, int64_t ldy) {
+  constexpr int64_t NB = 6;
+  const int64_t tiles = n / NB;
+  at::parallel_for(0, tiles, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) skinny_rows<NB>(x, m, w + t * NB * k, k, y + t * NB, ldy);
+  });
+  for (int64_t j = tiles * NB; j < n; ++j) skinny_rows<1>(x, m, w + j * k, k, y + j, ldy);
+}
+
+bool skinny_supported() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+// fp32 on AVX2: Experts.forward's math with the skinny GEMM, SwiGLU in the gate/up buffer, and each
+// weighted expert output added to its token's row in expert order (as index_add_ in the loop).
+at::Tensor moe_experts_skinny(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                              const ExpertGroups& g, int64_t k, const at::Tensor& weights, double limit) {
+  const int64_t num_experts = gate_up.size(0), inter = down.size(2), d = x.size(1);
+  auto out = at::zeros_like(x);
+  auto wts = weights.to(at::kFloat).contiguous();
+  const float *xp = x.data_ptr<float>(), *wp = wts.data_ptr<float>();
+  const float *gu = gate_up.data_ptr<float>(), *dn = down.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int64_t most = 0;
+  for (int64_t e = 0; e < num_experts; ++e) most = std::max(most, g.start[e + 1] - g.start[e]);
+  std::vector<float> h(most * 2 * inter), y(most * d);
+  std::vector<const float*> rows(most);
+  const float lim = static_cast<float>(limit);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t count = g.start[e + 1] - g.start[e];
+    if (!count) continue;
+    const int64_t* pair = g.order.data() + g.start[e];
+    for (int64_t i = 0; i < count; ++i) rows[i] = xp + (pair[i] / k) * d;
+    skinny_gemm(rows.data(), count, gu + e * 2 * inter * d, 2 * inter, d, h.data(), 2 * inter);
+    for (int64_t i = 0; i < count; ++i) {
+      float* hr = h.data() + i * 2 * inter;
+      for (int64_t j = 0; j < inter; ++j) {
+        const float gate = std::min(hr[j], lim), up = std::min(std::max(hr[inter + j], -lim), lim);
+        hr[j] = gate / (1.f + std::exp(-gate)) * up;
+      }
+      rows[i] = hr;
+    }
+    skinny_gemm(rows.data(), count, dn + e * d * inter, d, inter, y.data(), d);
+    for (int64_t i = 0; i < count; ++i) {
+      float* o = op + (pair[i] / k) * d;
+      const float* yr = y.data() + i * d;
+      const float wt = wp[pair[i]];
+      for (int64_t j = 0; j < d; ++j) o[j] += yr[j] * wt;
+    }
+  }
+  return out;
+}
+#endif
+
+// Experts.forward (dsv4_engine.model.moe): x [T, D], gate_up [E, 2I, D], down [E, D, I], ids and
+// weights [T, k]; each expert's rows gathered once. fp32 on AVX2 takes the skinny-GEMM path (within
+// fp32 rounding of the loop); every other case runs the loop's own aten ops (bit-equal).
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                       const at::Tensor& ids, const at::Tensor& weights, double limit) {
+  const auto groups = group_by_expert(ids, gate_up.size(0));
+#if defined(__x86_64__)
+  const bool fp32 = x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat &&
+                    down.scalar_type() == at::kFloat;
+  if (fp32 && skinny_supported() && x.dim() == 2 && x.is_contiguous() && gate_up.is_contiguous() &&
+      down.is_contiguous())
+    return moe_experts_skinny(x, gate_up, down, groups, ids.size(1), weights, limit);
+#endif
+  return moe_experts_aten(x, gate_up, down, groups, ids.size(1), weights, limit);
 }
 
 // RMSNorm (weight defined: fp32 weight * normalised fp32 row, cast once, as ops.RMSNorm) or
@@ -349,7 +472,6 @@ TORCH_LIBRARY(dsv4, m) {
   m.def("rope_rotate(Tensor x, Tensor cos, Tensor sin, bool inverse) -> Tensor");
   m.def("hc_pre(Tensor streams, Tensor fn, Tensor base, Tensor scale, int iters, float hc_eps, "
         "float norm_eps) -> (Tensor, Tensor, Tensor)");
-  m.def("hc_post(Tensor post, Tensor comb, Tensor out, Tensor streams) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor ids, Tensor weights, float limit) "
         "-> Tensor");
 }
@@ -360,6 +482,5 @@ TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
   m.impl("sink_attention", &sink_attention);
   m.impl("rope_rotate", &rope_rotate);
   m.impl("hc_pre", &hc_pre);
-  m.impl("hc_post", &hc_post);
   m.impl("moe_experts", &moe_experts);
 }

@@ -101,11 +101,6 @@ class KernelOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return torch.ops.dsv4.hc_pre(streams, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
 
-    def hc_post(
-        self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
-    ) -> torch.Tensor:
-        return torch.ops.dsv4.hc_post(post, comb, out, streams)
-
     def attend(
         self, attn: Dsv4Attention, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor
     ) -> torch.Tensor:

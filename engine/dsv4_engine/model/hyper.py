@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4_engine import kernels
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.model.ops import unweighted_rms_norm
 
@@ -61,7 +62,18 @@ class HyperConnection(nn.Module):
         return torch.bmm(pre.unsqueeze(1), streams.float()).squeeze(1).to(streams.dtype)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(post [T, N], comb [T, N, N], collapsed [T, D]) for streams `[T, N, D]`."""
+        """(post [T, N], comb [T, N, N], collapsed [T, D]) for streams `[T, N, D]`.
+
+        On CPU `dsv4::hc_pre` computes `reference` in one call: its Sinkhorn is ~80 small ops, about
+        half of this map's time in a prefill of a thousand tokens (tests/decode/test_kernels.py)."""
+        if kernels.use_for(streams.device):
+            return torch.ops.dsv4.hc_pre(
+                streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps
+            )
+        return self.reference(streams)
+
+    def reference(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward` in torch ops: the definition the kernel is tested against."""
         pre, post, comb = self.weights(streams)
         # Sinkhorn-Knopp: columns, then (rows, columns) iters - 1 times; in place (same rounding).
         eps = self.hc_eps
