@@ -55,7 +55,9 @@ def test_hc_pre_equals_hyper_connection(model, dtype: torch.dtype, tokens: int) 
     torch.testing.assert_close(got[1].sum(-2), torch.ones(tokens, hc.n), rtol=0, atol=1e-3)
 
 
-def _routed(config, tokens: int, dtype: torch.dtype, seed: int, hidden: int | None = None, inter: int | None = None):
+def _routed(
+    config, tokens: int, dtype: torch.dtype, seed: int, hidden: int | None = None, inter: int | None = None
+):
     """Randomised experts (optionally of another shape) and a routing of `tokens` random rows."""
     if hidden or inter:
         config = dataclasses.replace(config, hidden_size=hidden, moe_intermediate_size=inter)
