@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from dsv4_engine.memory import ExtendSpec, OutOfPages
 from dsv4_engine.memory.allocator import FAMILIES
 from dsv4_engine.memory.sizing import state_pages_per_req, swa_pages_per_req
+from dsv4_engine.memory.state_tail import state_alloc_offset
 
 MAX_CTX = 1536
 
@@ -44,6 +45,31 @@ def check_accounting(mem, live: list[int]) -> None:
         assert len(table_pages(mem.req_pool.req_to_token_c128_state[r], p)) == held["c128s"]
 
 
+def check_bundle(mem, specs: list[ExtendSpec], bundle) -> None:
+    """The bundle a step returns is what the request tables (which the model reads) now map."""
+    pool, a = mem.req_pool, mem.alloc
+    want: dict[str, list[int]] = {k: [] for k in ("full", "swa", "c4", "c128", "c4s", "c128s")}
+    for s in specs:
+        i, lo, hi = s.req_idx, s.prefix_len, s.seq_len
+        want["full"] += pool.req_to_token[i, lo:hi].tolist()
+        want["swa"] += pool.req_to_token_swa[i, lo:hi].tolist()
+        want["c4"] += pool.req_to_token_c4[i, lo // 4 : hi // 4].tolist()
+        want["c128"] += pool.req_to_token_c128[i, lo // 128 : hi // 128].tolist()
+        for fam, ratio, table in (
+            ("c4s", 4, pool.req_to_token_c4_state),
+            ("c128s", 128, pool.req_to_token_c128_state),
+        ):
+            start = max(lo, state_alloc_offset(ratio, hi)) if a._active[fam] else hi
+            want[fam] += table[i, start:hi].tolist()
+    got = {
+        "full": bundle.out_full_loc, "swa": bundle.out_swa_loc, "c4": bundle.out_c4_loc,
+        "c128": bundle.out_c128_loc, "c4s": bundle.out_c4_state_loc, "c128s": bundle.out_c128_state_loc,
+    }  # fmt: skip
+    for name, values in want.items():
+        assert got[name].tolist() == values, name
+        assert all(v > 0 for v in values), name  # every slot is a real page's, not the sentinel's
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     ops=st.lists(op, max_size=25), page_size=st.sampled_from([128, 256]), window=st.sampled_from([16, 128])
@@ -58,9 +84,11 @@ def test_any_workload_returns_every_page(make_mem, ops, page_size: int, window: 
     def attempt(specs: list[ExtendSpec]) -> None:
         before = a.num_free()
         try:
-            a.alloc_extend(specs)
+            bundle = a.alloc_extend(specs)
         except OutOfPages:
             assert a.num_free() == before  # a failed step takes nothing
+            return
+        check_bundle(mem, specs, bundle)
 
     for o in ops:
         if o[0] == "new":
