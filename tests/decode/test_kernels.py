@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import platform
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 from dsv4_engine import kernels
+from dsv4_engine.model.decode_ops import KernelOps, TorchOps
 from dsv4_engine.model.hyper import HyperConnection
 from dsv4_engine.model.moe import Experts
+from dsv4_engine.model.packed import pack_linears
 
 DTYPES = [torch.float32, torch.bfloat16]
 # fp32 routed experts take the kernel's own skinny GEMM where the CPU has AVX2 and FMA.
@@ -124,3 +127,58 @@ def test_kernels_can_be_switched_off() -> None:
     )
     env = {**os.environ, "DSV4_KERNELS": "0", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 9])
+def test_small_decode_kernels_equal_their_torch_forms(model, dtype: torch.dtype, rows: int) -> None:
+    """The eager step's one-dispatch kernels run the torch forms' own aten ops: bit-equal results,
+    and the same pool writes (masked rows write the sentinel into slot 0)."""
+    torch_ops, kernel_ops = TorchOps(), KernelOps()
+    g = torch.Generator().manual_seed(rows)
+    layers = model.model.layers
+    hc, d = layers[0].attn_hc, model.config.hidden_size
+
+    streams = torch.randn(rows, hc.n, d, generator=g).to(dtype)
+    with torch.no_grad():
+        post, comb, _ = hc.reference(streams.float())
+    out = torch.randn(rows, d, generator=g).to(dtype)
+    assert torch.equal(
+        kernel_ops.hc_post(post, comb, out, streams), torch_ops.hc_post(post, comb, out, streams)
+    )
+
+    comp = next(layer.self_attn.compressor for layer in layers if layer.self_attn.ratio == 4)
+    width = comp.coff * comp.head_dim
+    kv, gate = (torch.randn(rows, width, generator=g).to(dtype) for _ in range(2))
+    positions = torch.randint(0, 1000, (rows,), generator=g)
+    mask = torch.rand(rows, generator=g) < 0.7
+    loc = torch.randperm(40, generator=g)[:rows] + 1
+    states = [torch.randn(48, 2 * width, generator=g) for _ in range(2)]
+    states[1].copy_(states[0])
+    with torch.no_grad():
+        want = torch_ops.compress_state(comp, kv, gate, positions, mask, loc, states[0])
+        got = kernel_ops.compress_state(comp, kv, gate, positions, mask, loc, states[1])
+    assert torch.equal(got, want) and torch.equal(states[1], states[0])
+    if not mask.all():
+        assert states[0][0, width:].eq(float("-inf")).all()  # the sentinel went to slot 0
+
+    pools = [torch.randn(48, width, generator=g) for _ in range(2)]
+    pools[1].copy_(pools[0])
+    torch_ops.masked_put(pools[0], loc, kv, mask)
+    kernel_ops.masked_put(pools[1], loc, kv, mask)
+    assert torch.equal(pools[1], pools[0]) and torch.equal(pools[0][loc[mask]], kv[mask].float())
+
+    x = torch.randn(rows, d, generator=g).to(dtype)
+    input_ids = torch.randint(0, model.config.vocab_size, (rows,), generator=g)
+    for layer in layers[:2]:  # a hash layer, then a score-routed one
+        router = copy.deepcopy(layer.mlp.gate).to(dtype)
+        with torch.no_grad():
+            want_w, want_ids = torch_ops.route(router, x, input_ids)
+            got_w, got_ids = kernel_ops.route(router, x, input_ids)
+        assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w), router.is_hash
+
+    moe = copy.deepcopy(layers[1].mlp).to(dtype)
+    pack = pack_linears([moe.shared_experts.gate_proj, moe.shared_experts.up_proj])
+    with torch.no_grad():
+        assert torch.equal(kernel_ops.shared_expert(moe, x, pack), torch_ops.shared_expert(moe, x, pack))
+        torch.testing.assert_close(kernel_ops.shared_expert(moe, x, pack), moe.shared_experts(x))

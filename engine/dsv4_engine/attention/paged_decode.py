@@ -65,12 +65,6 @@ def gather_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, pool.shape[-1])
 
 
-def _masked_put(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
-    """pool[slots] = rows where mask, else the KV sentinel (0) into slot 0 (which it already holds)."""
-    keep = mask[:, None]
-    pool.index_put_((torch.where(mask, slots, 0),), torch.where(keep, rows.to(pool.dtype), 0.0))
-
-
 def compress_decode(
     comp: Compressor,
     kv: torch.Tensor,
@@ -88,22 +82,14 @@ def compress_decode(
     sparse: pool only the rows that complete a block (one in `ratio` per step on average; at ratio 128
     the static form gathers and softmaxes 128 state rows for every row, every step). It reads
     `block_mask` back to the host, so only the eager step may ask for it."""
-    r, half = comp.ratio, comp.coff * comp.head_dim
-    score = gate + comp.position_bias.index_select(0, positions % r)
-    own = torch.cat([kv.to(state.dtype), score.to(state.dtype)], dim=-1)  # [B, 2*coff*D]
-    # Write before read (so a compiler updates the pool in place instead of copying it): the token's
-    # state row goes to its slot; masked rows rewrite the state sentinel (kv 0, score -inf) into slot 0.
-    # The read below never sees it: columns at or after the token's position are slot 0 there.
-    keep = cm.state_write_mask[:, None]
-    sentinel_score = torch.full_like(own[:, half:], NEG_INF)
-    masked = torch.cat(
-        [torch.where(keep, own[:, :half], 0.0), torch.where(keep, own[:, half:], sentinel_score)], dim=-1
-    )
-    state.index_put_((torch.where(cm.state_write_mask, cm.state_write_loc, 0),), masked)
+    # Write before read (so a compiler updates the pool in place instead of copying it). The read
+    # below never sees the sentinel masked rows write: columns at or after the token's position are
+    # slot 0 there.
+    own = ops.compress_state(comp, kv, gate, positions, cm.state_write_mask, cm.state_write_loc, state)
     if not sparse:
         row = _pool(comp, own, positions, cm.state_read_start, cm.state_read_slots, state, kv.dtype, ops)
         cos, sin = comp.rope.lookup(cm.block_positions)
-        _masked_put(rows_pool, cm.block_loc, ops.rotate(row, cos, sin), cm.block_mask)
+        ops.masked_put(rows_pool, cm.block_loc, ops.rotate(row, cos, sin), cm.block_mask)
         return
     done = cm.block_mask.nonzero().squeeze(1)
     if len(done):
@@ -171,7 +157,7 @@ def paged_decode_attention(
 
     valid = meta.seq_lens > 0
     swa = pools.swa[layer]
-    _masked_put(swa, meta.out_swa_loc, kv, valid)
+    ops.masked_put(swa, meta.out_swa_loc, kv, valid)
     keys = gather_rows(swa, meta.swa_slots.clamp(min=0)).to(kv.dtype)  # [B, W, D], oldest first
     bias = _bias(meta.swa_slots >= 0)
 

@@ -84,6 +84,26 @@ def _register_fakes() -> None:
     def _(x, gate_up, down, ids, weights, limit):  # type: ignore[no-untyped-def]
         return torch.empty_like(x)
 
+    @torch.library.register_fake("dsv4::hc_post")
+    def _(post, comb, out, streams):  # type: ignore[no-untyped-def]
+        return torch.empty_like(streams)
+
+    @torch.library.register_fake("dsv4::compress_state")
+    def _(kv, gate, position_bias, positions, mask, loc, state):  # type: ignore[no-untyped-def]
+        return kv.new_empty(kv.shape[0], 2 * kv.shape[1], dtype=state.dtype)
+
+    @torch.library.register_fake("dsv4::masked_put")
+    def _(pool, slots, rows, mask):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("dsv4::route")
+    def _(x, input_ids, weight, table, is_hash, top_k, scaling):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], top_k), x.new_empty(x.shape[0], top_k, dtype=torch.long)
+
+    @torch.library.register_fake("dsv4::shared_expert")
+    def _(x, gate_up, down, limit):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], down.shape[0])
+
 
 def available() -> bool:
     """True once the kernels are loaded; builds them on the first call (a minute, then cached)."""

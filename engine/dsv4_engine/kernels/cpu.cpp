@@ -119,6 +119,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(
   return {post, comb, collapsed};
 }
 
+// model.hyper.expand: new streams `post_k * out + sum_j comb[j, k] * streams_j`, the same aten ops
+// (fp32: the spread, then one in-place baddbmm; other dtypes HF's order: spread + matmul).
+at::Tensor hc_post(const at::Tensor& post, const at::Tensor& comb, const at::Tensor& out,
+                   const at::Tensor& streams) {
+  const auto dtype = streams.scalar_type();
+  if (dtype != at::kFloat)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + at::matmul(comb.to(dtype).transpose(-1, -2), streams);
+  return at::mul(post.unsqueeze(-1), out.unsqueeze(-2)).baddbmm_(comb.transpose(-1, -2), streams);
+}
+
+// decode_ops.TorchOps.compress_state: the decode token's compressor state row `[kv | gate + position
+// bias]` (returned) written to its slot where `mask`, else the sentinel (kv 0, score -inf) to slot 0.
+at::Tensor compress_state(const at::Tensor& kv, const at::Tensor& gate, const at::Tensor& position_bias,
+                          const at::Tensor& positions, const at::Tensor& mask, const at::Tensor& loc,
+                          at::Tensor state) {
+  const int64_t ratio = position_bias.size(0), half = kv.size(-1);
+  auto score = gate + position_bias.index_select(0, at::remainder(positions, ratio));
+  auto own = at::cat({kv.to(state.scalar_type()), score.to(state.scalar_type())}, -1);
+  auto keep = mask.unsqueeze(1);
+  auto sentinel = at::full_like(own.narrow(1, half, own.size(1) - half), -std::numeric_limits<double>::infinity());
+  auto masked = at::cat({at::where(keep, own.narrow(1, 0, half), 0.0),
+                         at::where(keep, own.narrow(1, half, own.size(1) - half), sentinel)}, -1);
+  state.index_put_({at::where(mask, loc, 0)}, masked);
+  return own;
+}
+
+// paged_decode._masked_put: pool[slots] = rows where mask, else the sentinel (0) into slot 0.
+void masked_put(at::Tensor pool, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& mask) {
+  pool.index_put_({at::where(mask, slots, 0)}, at::where(mask.unsqueeze(1), rows.to(pool.scalar_type()), 0.0));
+}
+
+// MoE's Router.forward: (weights * scaling [T, k], expert ids [T, k]) from sqrt(softplus(x W^T)),
+// ids by tid2eid (hash layers: `table` [V, k]) or the top-k of scores + bias (`table` [E]).
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& input_ids, const at::Tensor& weight,
+                                         const at::Tensor& table, bool is_hash, int64_t top_k, double scaling) {
+  auto scores = at::softplus(at::linear(x, weight)).sqrt();
+  auto ids = is_hash ? table.index_select(0, input_ids).to(at::kLong)
+                     : std::get<1>(at::topk(scores + table, top_k, -1, true, false));
+  auto w = scores.gather(1, ids);
+  w = w / (w.sum(-1, true) + 1e-20);
+  return {w * scaling, ids};
+}
+
+// SharedExpert.combine over the packed gate/up projection: down(silu(gate <= limit) * clamp(up)).
+at::Tensor shared_expert(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, double limit) {
+  auto h = at::linear(x, gate_up);
+  const int64_t inter = h.size(-1) / 2;
+  auto act = at::silu(h.narrow(-1, 0, inter).clamp(c10::nullopt, limit)) * h.narrow(-1, inter, inter).clamp(-limit, limit);
+  return at::linear(act, down);
+}
+
 // The (token, expert) pairs of `ids` [T, k] grouped by expert, in token order within each expert
 // (a stable counting sort, as argsort(stable=True)): pairs `order[start[e]..start[e+1])` are expert e's.
 struct ExpertGroups {
@@ -474,6 +525,13 @@ TORCH_LIBRARY(dsv4, m) {
         "float norm_eps) -> (Tensor, Tensor, Tensor)");
   m.def("moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor ids, Tensor weights, float limit) "
         "-> Tensor");
+  m.def("hc_post(Tensor post, Tensor comb, Tensor out, Tensor streams) -> Tensor");
+  m.def("compress_state(Tensor kv, Tensor gate, Tensor position_bias, Tensor positions, Tensor mask, "
+        "Tensor loc, Tensor(a!) state) -> Tensor");
+  m.def("masked_put(Tensor(a!) pool, Tensor slots, Tensor rows, Tensor mask) -> ()");
+  m.def("route(Tensor x, Tensor input_ids, Tensor weight, Tensor table, bool is_hash, int top_k, "
+        "float scaling) -> (Tensor, Tensor)");
+  m.def("shared_expert(Tensor x, Tensor gate_up, Tensor down, float limit) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
@@ -483,4 +541,9 @@ TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
   m.impl("rope_rotate", &rope_rotate);
   m.impl("hc_pre", &hc_pre);
   m.impl("moe_experts", &moe_experts);
+  m.impl("hc_post", &hc_post);
+  m.impl("compress_state", &compress_state);
+  m.impl("masked_put", &masked_put);
+  m.impl("route", &route);
+  m.impl("shared_expert", &shared_expert);
 }

@@ -13,9 +13,14 @@ from __future__ import annotations
 import torch
 
 from dsv4_engine.model.attention import Dsv4Attention
+from dsv4_engine.model.compressor import Compressor
 from dsv4_engine.model.hyper import HyperConnection, expand
+from dsv4_engine.model.moe import MoE, Router
 from dsv4_engine.model.ops import RMSNorm, unweighted_rms_norm
+from dsv4_engine.model.packed import Packed
 from dsv4_engine.rope import rotate
+
+NEG_INF = float("-inf")
 
 
 def _per_row(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +74,45 @@ class TorchOps:
     ) -> torch.Tensor:
         return expand(post, comb, out, streams)
 
+    def compress_state(
+        self,
+        comp: Compressor,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        loc: torch.Tensor,
+        state: torch.Tensor,
+    ) -> torch.Tensor:
+        """The token's compressor state row `[kv | gate + position bias]` (returned), written to its
+        slot `loc` where `mask`; masked rows rewrite the state sentinel (kv 0, score -inf) into slot 0."""
+        half = kv.shape[-1]
+        score = gate + comp.position_bias.index_select(0, positions % comp.ratio)
+        own = torch.cat([kv.to(state.dtype), score.to(state.dtype)], dim=-1)  # [B, 2*coff*D]
+        keep = mask[:, None]
+        sentinel_score = torch.full_like(own[:, half:], NEG_INF)
+        masked = torch.cat(
+            [torch.where(keep, own[:, :half], 0.0), torch.where(keep, own[:, half:], sentinel_score)], dim=-1
+        )
+        state.index_put_((torch.where(mask, loc, 0),), masked)
+        return own
+
+    def masked_put(
+        self, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
+    ) -> None:
+        """pool[slots] = rows where mask, else the KV sentinel (0) into slot 0 (which it already holds)."""
+        keep = mask[:, None]
+        pool.index_put_((torch.where(mask, slots, 0),), torch.where(keep, rows.to(pool.dtype), 0.0))
+
+    def route(
+        self, router: Router, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return router(x, input_ids)
+
+    def shared_expert(self, moe: MoE, x: torch.Tensor, pack: Packed | None) -> torch.Tensor:
+        """`pack`: the shared expert's gate and up projections as one GEMM (`model.packed`)."""
+        return moe.shared_experts(x) if pack is None else moe.shared_experts.combine(*pack(x))
+
     def attend(
         self, attn: Dsv4Attention, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor
     ) -> torch.Tensor:
@@ -100,6 +144,42 @@ class KernelOps(TorchOps):
         self, hc: HyperConnection, streams: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return torch.ops.dsv4.hc_pre(streams, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
+
+    def hc_post(
+        self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.ops.dsv4.hc_post(post, comb, out, streams)
+
+    def compress_state(
+        self,
+        comp: Compressor,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        loc: torch.Tensor,
+        state: torch.Tensor,
+    ) -> torch.Tensor:
+        return torch.ops.dsv4.compress_state(kv, gate, comp.position_bias, positions, mask, loc, state)
+
+    def masked_put(
+        self, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
+    ) -> None:
+        torch.ops.dsv4.masked_put(pool, slots, rows, mask)
+
+    def route(
+        self, router: Router, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        table = router.tid2eid if router.is_hash else router.e_score_correction_bias
+        return torch.ops.dsv4.route(
+            x, input_ids, router.weight, table, router.is_hash, router.top_k, router.scaling
+        )
+
+    def shared_expert(self, moe: MoE, x: torch.Tensor, pack: Packed | None) -> torch.Tensor:
+        if pack is None:
+            return moe.shared_experts(x)
+        down = moe.shared_experts.down_proj.weight
+        return torch.ops.dsv4.shared_expert(x, pack.weight, down, moe.shared_experts.limit)
 
     def attend(
         self, attn: Dsv4Attention, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor

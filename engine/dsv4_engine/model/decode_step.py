@@ -32,14 +32,14 @@ def moe_decode(
     the per-slot gathered matmuls below compile to fewer, faster kernels. Without it: gathered expert
     weights while B*k < E, else every expert densely. `shared_pack`: the shared expert's gate and up
     projections as one GEMM."""
-    weights, ids = moe.gate(x, input_ids)  # [B, k]
+    weights, ids = ops.route(moe.gate, x, input_ids)  # [B, k]
     experts = moe.experts
     bsz, k = ids.shape
     num_experts, limit = experts.num_experts, experts.limit
     small, for_compiler = bsz * k < num_experts, ops.for_compiler
     if ops.moe_kernel and not (for_compiler and small):
         routed = torch.ops.dsv4.moe_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, limit)
-        return routed + _shared_expert(moe, x, shared_pack)
+        return routed + ops.shared_expert(moe, x, shared_pack)
     if small and for_compiler:  # one gathered batched GEMV per slot: the compiler's best form here
         routed = x.new_zeros(())
         for slot in range(k):
@@ -62,11 +62,7 @@ def moe_decode(
         dense = torch.zeros(bsz, num_experts, dtype=y.dtype, device=y.device)
         dense = dense.scatter_add(1, ids, weights.to(y.dtype))
         routed = torch.einsum("be,ebd->bd", dense, y)
-    return routed.to(x.dtype) + _shared_expert(moe, x, shared_pack)
-
-
-def _shared_expert(moe: MoE, x: torch.Tensor, pack: Packed | None) -> torch.Tensor:
-    return moe.shared_experts(x) if pack is None else moe.shared_experts.combine(*pack(x))
+    return routed.to(x.dtype) + ops.shared_expert(moe, x, shared_pack)
 
 
 def decode_logits(
