@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,7 +177,12 @@ class LLMEngine:
             eos_token_ids=tuple(self.config.eos_token_ids),
         )
         self.scheduler = Scheduler(sched_config, self.allocator, self.req_pool)
-        self.runner = ModelRunner(self.model, self.kv_pool, self.allocator, enforce_eager=enforce_eager)
+        self.runner = ModelRunner(
+            self.model, self.kv_pool, self.allocator, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs
+        )
+        t0 = time.perf_counter()
+        if warmed := self.runner.warmup():
+            log.info("decode: %d batch-size buckets warmed in %.1f s", warmed, time.perf_counter() - t0)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         log.info(

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_engine.attention import buckets_for
+from dsv4_engine.graph_runner import DecodeGraphRunner, default_decode_mode
 from dsv4_engine.memory import Dsv4Allocator, DSV4OutCacheLoc, Dsv4TokenToKVPool, ExtendSpec
 from dsv4_engine.memory.seq_cache import PagedSeqCache
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
@@ -26,12 +28,40 @@ class ModelRunner:
         allocator: Dsv4Allocator,
         *,
         enforce_eager: bool = True,
+        max_num_seqs: int | None = None,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.allocator = allocator
         self.device = model.device
         self.enforce_eager = enforce_eager  # False lets a graph runner take over `decode`
+        self.decode_buckets = buckets_for(max_num_seqs)
+
+    def decode_runner(self, mode: str) -> DecodeGraphRunner:
+        """The batched decode step in `mode`, built on first use (and again if the mode changes)."""
+        runner = getattr(self, "_decode_runner", None)
+        if runner is None or runner.mode != mode:
+            req_pool = self.allocator.req_pool
+            runner = self._decode_runner = DecodeGraphRunner(
+                self.model,
+                self.kv_pool,
+                req_pool,
+                req_pool.max_context_len,
+                buckets=self.decode_buckets,
+                mode=mode,  # type: ignore[arg-type]
+            )
+        return runner
+
+    def warmup(self) -> int:
+        """Compile (CPU) or capture (GPU/NPU) every decode bucket before traffic, so no request waits
+        on a compile; the compiled artefacts are cached outside the repo, so a restart mostly loads
+        them. Nothing to do in eager mode. Returns the number of buckets warmed."""
+        mode = getattr(self, "decode_mode", None) or default_decode_mode(self.device, self.enforce_eager)
+        if mode in ("eager", "reference"):
+            return 0
+        with torch.inference_mode():
+            self.decode_runner(mode).warmup()
+        return len(self.decode_buckets)
 
     # ---- caches --------------------------------------------------------------------------------
     def _cache(self, seq: Sequence, start: int) -> PagedSeqCache:
@@ -76,22 +106,10 @@ class ModelRunner:
         bucket (`graph_runner.DecodeGraphRunner`, docs/decode.md); `reference` runs the per-request
         SeqCache forward below, which the batched step is tested against.
         """
-        from dsv4_engine.graph_runner import DecodeGraphRunner, default_decode_mode
-
         mode = getattr(self, "decode_mode", None) or default_decode_mode(self.device, self.enforce_eager)
-        runner = getattr(self, "_decode_runner", None)
-        if mode != "reference" and (runner is None or runner.mode != mode):
-            req_pool = self.allocator.req_pool
-            runner = self._decode_runner = DecodeGraphRunner(
-                self.model,
-                self.kv_pool,
-                req_pool,
-                req_pool.max_context_len,
-                mode=mode,  # type: ignore[arg-type]
-            )
-        if mode != "reference" and len(seqs) <= runner.buckets[-1]:
+        if mode != "reference" and len(seqs) <= self.decode_buckets[-1]:
             tokens = [seq.all_token_ids[spec.prefix_len] for seq, spec in zip(seqs, specs, strict=True)]
-            return runner.run(specs, tokens)
+            return self.decode_runner(mode).run(specs, tokens)
         del bundle  # the reference path writes through the request tables
         chunks = [
             (self._cache(seq, spec.prefix_len), [seq.all_token_ids[spec.prefix_len]])

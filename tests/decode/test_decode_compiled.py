@@ -88,3 +88,33 @@ def test_inductor_cache_is_outside_the_repo(monkeypatch: pytest.MonkeyPatch) -> 
     assert default_inductor_cache() == Path("/somewhere/cache/dsv4/inductor")
     repo = Path(__file__).resolve().parents[2]
     assert repo not in default_inductor_cache().parents
+
+
+def test_engine_warms_its_buckets_before_traffic(tmp_path: Path) -> None:
+    """`LLMEngine(enforce_eager=False)` compiles every decode bucket it can use (here max_num_seqs=1:
+    bucket 1 only) at start-up; requests then decode without a compile, with eager's output."""
+    from dsv4_engine.engine import LLMEngine
+    from dsv4_engine.sampling_params import SamplingParams
+
+    path = make_tiny(tmp_path / "small", seed=3, overrides=SMALL)
+    kw = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 1}
+    compiled = LLMEngine(path, enforce_eager=False, **kw)
+    runner = compiled.runner.decode_runner("compiled")
+    assert runner.buckets == (1,) and runner.num_compiles == 1
+    graphs = _unique_graphs()
+    eager = LLMEngine(path, **kw)
+    assert eager.runner.warmup() == 0  # nothing to compile
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    g = torch.Generator().manual_seed(11)
+    for n in (5, 40):
+        prompt = torch.randint(3, 500, (n,), generator=g).tolist()
+        outs = []
+        for engine in (compiled, eager):
+            rid = engine.add_request(prompt, params)
+            tokens: list[int] = []
+            while engine.has_unfinished():
+                tokens += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+            outs.append(tokens)
+        assert len(outs[0]) == 12 and outs[0] == outs[1]
+    assert runner.num_compiles == 1 and _unique_graphs() == graphs  # no compile while serving

@@ -204,3 +204,10 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse(["--model", "m", "--api-key", "flag"]).api_key == "flag"
     monkeypatch.delenv("DSV4_API_KEY")
     assert parse(["--model", "m"]).api_key is None
+
+
+def test_enforce_eager_flag_reaches_the_engine() -> None:
+    from dsv4_engine.server.args import parse
+
+    assert "enforce_eager" not in parse(["--model", "m"]).engine_kwargs()  # the engine's default: eager
+    assert parse(["--model", "m", "--no-enforce-eager"]).engine_kwargs()["enforce_eager"] is False

@@ -1,6 +1,6 @@
 """Attention metadata over the paged DSV4 pools: extend (chunked prefill), decode, static decode buffers."""
 
-from .decode_buffers import DEFAULT_BUCKETS, DecodeBuffers
+from .decode_buffers import DEFAULT_BUCKETS, DecodeBuffers, buckets_for
 from .metadata import (
     AttentionMetadata,
     CompressMetadata,
@@ -14,6 +14,7 @@ __all__ = [
     "AttentionMetadata",
     "CompressMetadata",
     "DecodeBuffers",
+    "buckets_for",
     "build_decode_metadata",
     "build_extend_metadata",
     "row_slots",

@@ -18,6 +18,16 @@ from .metadata import AttentionMetadata, CompressMetadata, _read_width
 I64 = torch.int64
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
+
+def buckets_for(max_batch: int | None) -> tuple[int, ...]:
+    """The default buckets up to the first that holds `max_batch` (every bucket costs buffers, and a
+    compile or capture at warm-up); all of them when it is None or larger than the last."""
+    if max_batch is None or max_batch > DEFAULT_BUCKETS[-1]:
+        return DEFAULT_BUCKETS
+    holds = next(b for b in DEFAULT_BUCKETS if b >= max_batch)
+    return tuple(b for b in DEFAULT_BUCKETS if b <= holds)
+
+
 # Pad value per field: -1 masks an SWA key; 0 elsewhere is the sentinel slot / no-op.
 _PAD = {"swa_slots": -1}
 

@@ -22,6 +22,7 @@ class ServerSettings:
     max_model_len: int | None = None
     chunked_prefill_size: int | None = None
     max_num_seqs: int | None = None
+    enforce_eager: bool = True
     max_waiting: int = 256
     api_key: str | None = None
     grace_period: float = 25.0
@@ -44,6 +45,8 @@ class ServerSettings:
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
+        if not self.enforce_eager:
+            kwargs["enforce_eager"] = False
         for name in ("tp_size", "ep_size"):
             if getattr(self, name) != 1:
                 kwargs[name] = getattr(self, name)
@@ -75,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=_positive(int))
     p.add_argument("--chunked-prefill-size", type=_positive(int))
     p.add_argument("--max-num-seqs", type=_positive(int))
+    p.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode eagerly (default); --no-enforce-eager compiles (CPU) or captures (GPU/NPU) a decode "
+        "step per batch-size bucket up to --max-num-seqs at start-up, before serving",
+    )
     p.add_argument(
         "--max-waiting", type=_positive(int), default=256, help="queue bound; beyond it requests get 503"
     )
