@@ -83,15 +83,18 @@ def _kernel(experts: Experts, x: torch.Tensor, ids: torch.Tensor, weights: torch
 def test_moe_experts_equals_the_expert_loop(model, dtype: torch.dtype, tokens: int) -> None:
     experts, x, ids, weights = _routed(model.config, tokens, dtype, seed=tokens)
     with torch.no_grad():
-        want = experts(x, weights, ids)
+        want = experts.reference(x, weights, ids)
         got = _kernel(experts, x, ids, weights)
+        assert torch.equal(experts(x, weights, ids), got)  # forward is the kernel
     assert got.dtype == want.dtype
-    if dtype == torch.float32 and SKINNY:
-        # Its own GEMM sums in another order than MKL's: within fp32 rounding of the loop's outputs.
+    counts = torch.bincount(ids.flatten())
+    if dtype == torch.float32 and SKINNY and counts[counts > 0].min() < 32:
+        # Experts of a few rows take the kernel's own GEMM, which sums in another order than MKL's:
+        # within fp32 rounding of the loop's outputs.
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
         assert not torch.equal(got, torch.zeros_like(got))
     else:
-        assert torch.equal(got, want)  # same experts, same order, same aten ops
+        assert torch.equal(got, want)  # same experts, same order, same BLAS and aten ops
 
 
 @pytest.mark.skipif(not SKINNY, reason="the skinny GEMM needs x86 with AVX2")
@@ -102,7 +105,7 @@ def test_moe_experts_row_does_not_depend_on_its_batch(model, hidden: int | None,
     experts, x, ids, weights = _routed(model.config, 41, torch.float32, seed=7, hidden=hidden, inter=inter)
     with torch.no_grad():
         batch = _kernel(experts, x, ids, weights)
-        want = experts(x, weights, ids)
+        want = experts.reference(x, weights, ids)
         torch.testing.assert_close(batch, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
         for t in (0, 17, 40):
             alone = _kernel(experts, x[t : t + 1], ids[t : t + 1], weights[t : t + 1])

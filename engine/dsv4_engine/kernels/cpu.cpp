@@ -271,60 +271,85 @@ bool skinny_supported() {
   return ok;
 }
 
-// fp32 on AVX2: Experts.forward's math with the skinny GEMM, SwiGLU in the gate/up buffer, and each
-// weighted expert output added to its token's row in expert order (as index_add_ in the loop).
-at::Tensor moe_experts_skinny(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
-                              const ExpertGroups& g, int64_t k, const at::Tensor& weights, double limit) {
+#endif
+
+// Below this many rows an expert's GEMMs go to skinny_gemm (x86 with AVX2): MKL streams the weights
+// at half the memory bandwidth there. From it on, BLAS: its blocking wins once the weights are reused.
+constexpr int64_t kSkinnyRows = 32;
+
+// fp32 Experts.forward without the big gather and scatter: an expert's rows are copied into one
+// buffer (BLAS) or read in place (skinny), and each weighted output row is added to its token's row in
+// expert order, as index_add_ in the loop. The BLAS branch runs the loop's own ops (bit-equal to it);
+// the skinny one sums in its own order (within fp32 rounding; a row's result there does not depend on
+// the other rows).
+at::Tensor moe_experts_f32(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                           const ExpertGroups& g, int64_t k, const at::Tensor& weights, double limit) {
   const int64_t num_experts = gate_up.size(0), inter = down.size(2), d = x.size(1);
   auto out = at::zeros_like(x);
   auto wts = weights.to(at::kFloat).contiguous();
   const float *xp = x.data_ptr<float>(), *wp = wts.data_ptr<float>();
-  const float *gu = gate_up.data_ptr<float>(), *dn = down.data_ptr<float>();
   float* op = out.data_ptr<float>();
   int64_t most = 0;
   for (int64_t e = 0; e < num_experts; ++e) most = std::max(most, g.start[e + 1] - g.start[e]);
-  std::vector<float> h(most * 2 * inter), y(most * d);
+  auto xs = at::empty({most, d}, x.options());
+  auto h = at::empty({most, 2 * inter}, x.options());
+  auto y = at::empty({most, d}, x.options());
   std::vector<const float*> rows(most);
+#if defined(__x86_64__)
+  const bool skinny = skinny_supported();
   const float lim = static_cast<float>(limit);
+#else
+  const bool skinny = false;
+#endif
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t count = g.start[e + 1] - g.start[e];
     if (!count) continue;
     const int64_t* pair = g.order.data() + g.start[e];
-    for (int64_t i = 0; i < count; ++i) rows[i] = xp + (pair[i] / k) * d;
-    skinny_gemm(rows.data(), count, gu + e * 2 * inter * d, 2 * inter, d, h.data(), 2 * inter);
-    for (int64_t i = 0; i < count; ++i) {
-      float* hr = h.data() + i * 2 * inter;
-      for (int64_t j = 0; j < inter; ++j) {
-        const float gate = std::min(hr[j], lim), up = std::min(std::max(hr[inter + j], -lim), lim);
-        hr[j] = gate / (1.f + std::exp(-gate)) * up;
+    if (skinny && count < kSkinnyRows) {
+#if defined(__x86_64__)
+      float* hp = h.data_ptr<float>();
+      for (int64_t i = 0; i < count; ++i) rows[i] = xp + (pair[i] / k) * d;
+      skinny_gemm(rows.data(), count, gate_up[e].data_ptr<float>(), 2 * inter, d, hp, 2 * inter);
+      for (int64_t i = 0; i < count; ++i) {
+        float* hr = hp + i * 2 * inter;
+        for (int64_t j = 0; j < inter; ++j) {
+          const float gate = std::min(hr[j], lim), up = std::min(std::max(hr[inter + j], -lim), lim);
+          hr[j] = gate / (1.f + std::exp(-gate)) * up;
+        }
+        rows[i] = hr;
       }
-      rows[i] = hr;
+      skinny_gemm(rows.data(), count, down[e].data_ptr<float>(), d, inter, y.data_ptr<float>(), d);
+#endif
+    } else {
+      float* xsp = xs.data_ptr<float>();
+      for (int64_t i = 0; i < count; ++i) std::copy_n(xp + (pair[i] / k) * d, d, xsp + i * d);
+      auto hv = h.narrow(0, 0, count);
+      at::mm_out(hv, xs.narrow(0, 0, count), gate_up[e].t());
+      auto gate = hv.narrow(1, 0, inter);
+      at::silu_(gate.clamp_max_(limit)).mul_(hv.narrow(1, inter, inter).clamp_(-limit, limit));
+      auto yv = y.narrow(0, 0, count);
+      at::mm_out(yv, gate, down[e].t());
     }
-    skinny_gemm(rows.data(), count, dn + e * d * inter, d, inter, y.data(), d);
+    const float* yp = y.data_ptr<float>();
     for (int64_t i = 0; i < count; ++i) {
       float* o = op + (pair[i] / k) * d;
-      const float* yr = y.data() + i * d;
+      const float* yr = yp + i * d;
       const float wt = wp[pair[i]];
       for (int64_t j = 0; j < d; ++j) o[j] += yr[j] * wt;
     }
   }
   return out;
 }
-#endif
 
 // Experts.forward (dsv4_engine.model.moe): x [T, D], gate_up [E, 2I, D], down [E, D, I], ids and
-// weights [T, k]; each expert's rows gathered once. fp32 on AVX2 takes the skinny-GEMM path (within
-// fp32 rounding of the loop); every other case runs the loop's own aten ops (bit-equal).
+// weights [T, k]. fp32 takes moe_experts_f32; other dtypes run the loop's own aten ops (bit-equal).
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                        const at::Tensor& ids, const at::Tensor& weights, double limit) {
   const auto groups = group_by_expert(ids, gate_up.size(0));
-#if defined(__x86_64__)
   const bool fp32 = x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat &&
                     down.scalar_type() == at::kFloat;
-  if (fp32 && skinny_supported() && x.dim() == 2 && x.is_contiguous() && gate_up.is_contiguous() &&
-      down.is_contiguous())
-    return moe_experts_skinny(x, gate_up, down, groups, ids.size(1), weights, limit);
-#endif
+  if (fp32 && x.dim() == 2 && x.is_contiguous() && gate_up.is_contiguous() && down.is_contiguous())
+    return moe_experts_f32(x, gate_up, down, groups, ids.size(1), weights, limit);
   return moe_experts_aten(x, gate_up, down, groups, ids.size(1), weights, limit);
 }
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4_engine import kernels
 from dsv4_engine.config import HASH_MOE, Dsv4Config
 
 
@@ -59,6 +60,14 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(self.num_experts, hidden, inter))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts' weighted sum `[T, D]`. On CPU `dsv4::moe_experts` runs `reference` without
+        its gather and scatter passes (a tenth of a prefill's expert time), and with its own GEMM for
+        experts of a few rows (a decode step's); tests/decode/test_kernels.py holds it to `reference`."""
+        if kernels.use_for(x.device):
+            return torch.ops.dsv4.moe_experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.limit)
+        return self.reference(x, weights, ids)
+
+    def reference(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Dispatch by expert: the (token, expert) pairs sorted by expert and gathered once; per
         expert in use, two matmuls on its contiguous slice and one weighted scatter-add."""
         flat_ids = ids.flatten()
