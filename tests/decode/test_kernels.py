@@ -185,3 +185,12 @@ def test_small_decode_kernels_equal_their_torch_forms(model, dtype: torch.dtype,
     with torch.no_grad():
         assert torch.equal(kernel_ops.shared_expert(moe, x, pack), torch_ops.shared_expert(moe, x, pack))
         torch.testing.assert_close(kernel_ops.shared_expert(moe, x, pack), moe.shared_experts(x))
+
+
+def test_disabled_runs_the_torch_code(model) -> None:
+    """`kernels.disabled()` (FLOP counting in bench/throughput.py) sends per-call users to torch."""
+    experts, x, ids, weights = _routed(model.config, 5, torch.float32, seed=3)
+    with torch.no_grad(), kernels.disabled():
+        assert not kernels.use_for(torch.device("cpu"))
+        assert torch.equal(experts(x, weights, ids), experts.reference(x, weights, ids))
+    assert kernels.use_for(torch.device("cpu"))

@@ -15,11 +15,13 @@ torch code the kernels mirror.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -118,6 +120,21 @@ def available() -> bool:
                 log.warning("fused CPU kernels unavailable, using torch ops: %s", exc)
                 _state["ok"] = False
     return _state["ok"]
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Modules that pick kernels per call (mHC, routed experts) run their torch code inside: for
+    tools that must see every aten op, such as FLOP counting (a kernel's inner GEMMs are invisible)."""
+    before = _state.get("ok")
+    _state["ok"] = False
+    try:
+        yield
+    finally:
+        if before is None:
+            _state.pop("ok")
+        else:
+            _state["ok"] = before
 
 
 def use_for(device: torch.device) -> bool:
