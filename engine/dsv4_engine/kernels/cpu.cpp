@@ -216,9 +216,11 @@ at::Tensor moe_experts_aten(const at::Tensor& x, const at::Tensor& gate_up, cons
 // Skinny fp32 GEMM, y[i, n] = dot(x_i, w_n) for a few rows x_i (given as pointers, so the routed
 // rows need no gather) against w [N, K] row-major. A decode step gives each expert ~T*k/E rows, where
 // MKL's sgemm streams the expert's weights at half the memory bandwidth; tiles of 2 rows x 6 weight
-// rows keep 12 accumulators in registers and read each weight once from memory. Every output is the
-// same sum in the same order whatever the number of rows, so a row's result does not depend on its
-// batch (MKL's kernel choice depends on M).
+// rows keep 12 accumulators in registers and read each weight once from memory. While a tile's rows
+// are multiplied, the next tile's weights are prefetched a cache line per step, so the memory
+// stream overlaps the arithmetic (~30% off a decode step's experts, whose weights never fit in
+// cache). Every output is the same sum in the same order whatever the number of rows, so a row's
+// result does not depend on its batch (MKL's kernel choice depends on M).
 #define DSV4_AVX2 __attribute__((target("avx2,fma")))
 
 DSV4_AVX2 inline float hsum(__m256 v) {
@@ -228,13 +230,23 @@ DSV4_AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Lines of the next weight tile still to prefetch: [next, end).
+struct Prefetch {
+  const char* next;
+  const char* end;
+};
+
 template <int MB, int NB>
-DSV4_AVX2 void skinny_tile(const float* const* x, const float* w, int64_t k, float* y, int64_t ldy) {
+DSV4_AVX2 void skinny_tile(const float* const* x, const float* w, int64_t k, float* y, int64_t ldy, Prefetch& pf) {
   __m256 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t k8 = k & ~int64_t(7);
   for (int64_t c = 0; c < k8; c += 8) {
+    if (pf.next < pf.end) {
+      _mm_prefetch(pf.next, _MM_HINT_T0);
+      pf.next += 64;
+    }
     __m256 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(w + j * k + c);
     for (int i = 0; i < MB; ++i) {
@@ -250,20 +262,26 @@ DSV4_AVX2 void skinny_tile(const float* const* x, const float* w, int64_t k, flo
     }
 }
 
+// One tile of NB weight rows against all m rows; prefetches the weights that follow, up to `w_end`.
 template <int NB>
-DSV4_AVX2 void skinny_rows(const float* const* x, int64_t m, const float* w, int64_t k, float* y, int64_t ldy) {
+DSV4_AVX2 void skinny_rows(const float* const* x, int64_t m, const float* w, int64_t k, float* y, int64_t ldy,
+                           const float* w_end) {
+  const float* next = std::min(w + NB * k, w_end);
+  Prefetch pf{reinterpret_cast<const char*>(next), reinterpret_cast<const char*>(std::min(next + NB * k, w_end))};
   int64_t i = 0;
-  for (; i + 2 <= m; i += 2) skinny_tile<2, NB>(x + i, w, k, y + i * ldy, ldy);
-  if (i < m) skinny_tile<1, NB>(x + i, w, k, y + i * ldy, ldy);
+  for (; i + 2 <= m; i += 2) skinny_tile<2, NB>(x + i, w, k, y + i * ldy, ldy, pf);
+  if (i < m) skinny_tile<1, NB>(x + i, w, k, y + i * ldy, ldy, pf);
+  for (; pf.next < pf.end; pf.next += 64) _mm_prefetch(pf.next, _MM_HINT_T0);
 }
 
 void skinny_gemm(const float* const* x, int64_t m, const float* w, int64_t n, int64_t k, float* y, int64_t ldy) {
   constexpr int64_t NB = 6;
   const int64_t tiles = n / NB;
+  const float* w_end = w + n * k;
   at::parallel_for(0, tiles, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) skinny_rows<NB>(x, m, w + t * NB * k, k, y + t * NB, ldy);
+    for (int64_t t = lo; t < hi; ++t) skinny_rows<NB>(x, m, w + t * NB * k, k, y + t * NB, ldy, w_end);
   });
-  for (int64_t j = tiles * NB; j < n; ++j) skinny_rows<1>(x, m, w + j * k, k, y + j, ldy);
+  for (int64_t j = tiles * NB; j < n; ++j) skinny_rows<1>(x, m, w + j * k, k, y + j, ldy, w_end);
 }
 
 bool skinny_supported() {
