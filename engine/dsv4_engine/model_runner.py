@@ -37,6 +37,10 @@ class ModelRunner:
         self.enforce_eager = enforce_eager  # False lets a graph runner take over `decode`
         self.decode_buckets = buckets_for(max_num_seqs)
 
+    def _decode_mode(self) -> str:
+        """`decode_mode` when set on the instance, else what `enforce_eager` and the device imply."""
+        return getattr(self, "decode_mode", None) or default_decode_mode(self.device, self.enforce_eager)
+
     def decode_runner(self, mode: str) -> DecodeGraphRunner:
         """The batched decode step in `mode`, built on first use (and again if the mode changes)."""
         runner = getattr(self, "_decode_runner", None)
@@ -56,7 +60,7 @@ class ModelRunner:
         """Compile (CPU) or capture (GPU/NPU) every decode bucket before traffic, so no request waits
         on a compile; the compiled artefacts are cached outside the repo, so a restart mostly loads
         them. Nothing to do in eager mode. Returns the number of buckets warmed."""
-        mode = getattr(self, "decode_mode", None) or default_decode_mode(self.device, self.enforce_eager)
+        mode = self._decode_mode()
         if mode in ("eager", "reference"):
             return 0
         with torch.inference_mode():
@@ -106,7 +110,7 @@ class ModelRunner:
         bucket (`graph_runner.DecodeGraphRunner`, docs/decode.md); `reference` runs the per-request
         SeqCache forward below, which the batched step is tested against.
         """
-        mode = getattr(self, "decode_mode", None) or default_decode_mode(self.device, self.enforce_eager)
+        mode = self._decode_mode()
         if mode != "reference" and len(seqs) <= self.decode_buckets[-1]:
             tokens = [seq.all_token_ids[spec.prefix_len] for seq, spec in zip(seqs, specs, strict=True)]
             return self.decode_runner(mode).run(specs, tokens)
