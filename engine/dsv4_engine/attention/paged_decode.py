@@ -26,11 +26,9 @@ import torch.nn.functional as F
 from ..memory.pools import Dsv4TokenToKVPool
 from ..model.attention import Dsv4Attention
 from ..model.compressor import Compressor
-from ..model.decode_ops import TorchOps
+from ..model.decode_ops import NEG_INF, TorchOps
 from ..model.packed import Packed, attention_inputs
 from .metadata import AttentionMetadata, CompressMetadata
-
-NEG_INF = float("-inf")
 
 
 def _flat(buf: torch.Tensor) -> torch.Tensor:

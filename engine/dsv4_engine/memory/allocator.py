@@ -256,9 +256,11 @@ class Dsv4Allocator:
                 )
         self._reqs[req_idx] = _ReqPages()
         empty = {f: [] for f in FAMILIES}
-        self._apply(ExtendSpec(req_idx, 0, seq_len), _Plan(free=empty, need=need))
+        writes = _TableWrites()
+        self._apply(ExtendSpec(req_idx, 0, seq_len), _Plan(free=empty, need=need), writes)
+        writes.flush()
 
-    def _apply(self, spec: ExtendSpec, plan: _Plan, writes: _TableWrites | None = None) -> None:
+    def _apply(self, spec: ExtendSpec, plan: _Plan, writes: _TableWrites) -> None:
         """Take the plan's pages and map the step's positions. The per-position entries (full slots,
         c4/c128 rows) go to `writes`, one scatter per table for the whole batch (see `_TableWrites`);
         page-wide ones (a page taken or freed, every p steps at most) are written here."""
@@ -288,13 +290,9 @@ class Dsv4Allocator:
                 lo, hi = k * p, min((k + 1) * p, self.max_ctx)
                 tables[fam][idx, lo:hi] = torch.arange(pg * p, pg * p + hi - lo, dtype=torch.int32)
         prefix, seq = spec.prefix_len, spec.seq_len
-        own = writes is None
-        writes = _TableWrites() if own else writes
         writes.add(pool.req_to_token, idx, prefix, _slots(r.full, p, prefix, seq))
         for ratio, table in ((4, pool.req_to_token_c4), (128, pool.req_to_token_c128)):
             writes.add(table, idx, prefix // ratio, _rows(r.full, p, ratio, prefix, seq))
-        if own:
-            writes.flush()
         r.seq_len = seq
 
     def _bundle(self, specs: Sequence[ExtendSpec]) -> DSV4OutCacheLoc:

@@ -143,7 +143,7 @@ class KernelOps(TorchOps):
     def hc_pre(
         self, hc: HyperConnection, streams: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return torch.ops.dsv4.hc_pre(streams, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
+        return hc(streams)  # on CPU, HyperConnection.forward is dsv4::hc_pre
 
     def hc_post(
         self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
