@@ -31,7 +31,7 @@ from dsv4_engine.attention.paged_decode import PoolViews
 from dsv4_engine.memory.allocator import ExtendSpec
 from dsv4_engine.memory.pools import Dsv4TokenToKVPool
 from dsv4_engine.memory.req_to_token import Dsv4ReqPool
-from dsv4_engine.model.decode_ops import KernelOps, TorchOps
+from dsv4_engine.model.decode_ops import CompiledOps, KernelOps, TorchOps
 from dsv4_engine.model.decode_step import decode_logits
 from dsv4_engine.model.model import Dsv4ForCausalLM
 from dsv4_engine.model.packed import decode_packs
@@ -190,15 +190,19 @@ class DecodeGraphRunner:
             getattr(self, name)[bs].zero_()  # all rows padding
 
     # ---- modes ----------------------------------------------------------------------------------
+    def ops(self) -> TorchOps:
+        """The step's ops for this mode (`decode_ops`)."""
+        if self.mode == "compiled":  # the compiler fuses the small ops; kernels where they do less work
+            return CompiledOps() if self.use_kernels else TorchOps(for_compiler=True)
+        # eager, or the capture of a device graph (CUDA / NPU: use_kernels is False there)
+        return KernelOps() if self.use_kernels else TorchOps()
+
     def _eager_fn(self, bs: int) -> Callable[[], torch.Tensor]:
         model, ids, meta, pools = self.model, self.input_ids[bs], self.buffers.buffers(bs), self.pools
         req_pool, page_size = self.req_pool, self.layout.page_size
         req, pos, valid = self.req[bs], self.pos[bs], self.valid[bs]
         trim, packs = self.trim, self.packs
-        if self.mode == "compiled":  # the compiler fuses the small ops; kernels only for big MoE batches
-            ops = TorchOps(for_compiler=True, moe_kernel=self.use_kernels)
-        else:  # eager, or the capture of a device graph (CUDA / NPU: use_kernels is False there)
-            ops = KernelOps() if self.use_kernels else TorchOps()
+        ops = self.ops()
         fill = fill_decode_buffers_kernel if isinstance(ops, KernelOps) else fill_decode_buffers
         full = meta.page_table.shape[1]
 

@@ -16,6 +16,7 @@ from dsv4_engine.graph_runner import DecodeGraphRunner, default_inductor_cache
 from dsv4_engine.loader import load_checkpoint
 from dsv4_engine.make_tiny import make_tiny
 from dsv4_engine.model import Dsv4ForCausalLM
+from dsv4_engine.model.decode_ops import CompiledOps
 
 MAX_CTX = 1024
 SMALL = {"num_hidden_layers": 2, "compress_ratios": [4, 128], "num_hash_layers": 1, "hc_sinkhorn_iters": 3}
@@ -36,7 +37,10 @@ def _unique_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def test_compiled_equals_eager_without_recompiles(small_model, make_mem) -> None:
+@pytest.mark.parametrize(
+    "kernels", [True, False], ids=["CompiledOps (CPU)", "torch forms only (other devices, DSV4_KERNELS=0)"]
+)
+def test_compiled_equals_eager_without_recompiles(small_model, make_mem, kernels: bool) -> None:
     eager_mem, comp_mem = make_mem(small_model), make_mem(small_model)
     eager = DecodeGraphRunner(small_model, eager_mem.kv, eager_mem.req_pool, MAX_CTX, buckets=(1, 2))
     comp = DecodeGraphRunner(
@@ -46,8 +50,10 @@ def test_compiled_equals_eager_without_recompiles(small_model, make_mem) -> None
         MAX_CTX,
         buckets=(2,),
         mode="compiled",
+        kernels=kernels,
         skip_guards=False,  # full guards on every call, so a recompile would show
     )
+    assert isinstance(comp.ops(), CompiledOps) == kernels
     comp.warmup()  # one bucket keeps a cold compile short; batches of 1 and 2 both replay it
     assert comp.num_compiles == 1
     graphs = _unique_graphs()

@@ -14,8 +14,8 @@ import torch
 
 from dsv4_engine import kernels
 from dsv4_engine.model.decode_ops import KernelOps, TorchOps
-from dsv4_engine.model.hyper import HyperConnection
-from dsv4_engine.model.moe import Experts
+from dsv4_engine.model.hyper import HyperConnection, expand
+from dsv4_engine.model.moe import Experts, Router
 from dsv4_engine.model.packed import pack_linears
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -38,9 +38,10 @@ def _randomised(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 7, 64, 150])
+@pytest.mark.parametrize("tokens", [1, 7, 32, 33, 64, 150])
 def test_hc_pre_equals_hyper_connection(model, dtype: torch.dtype, tokens: int) -> None:
-    """150 rows: two full blocks of 64 and a partial one."""
+    """fp32 up to 32 rows: the map as dot-product loops, from 33 on as MKL's GEMM. 150 rows: two full
+    blocks of 64 and a partial one."""
     hc = _randomised(HyperConnection(model.config), seed=tokens).float()
     g = torch.Generator().manual_seed(1)
     streams = torch.randn(tokens, hc.n, model.config.hidden_size, generator=g).to(dtype)
@@ -132,12 +133,25 @@ def test_kernels_can_be_switched_off() -> None:
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
 
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within fp32 rounding of the torch form (the kernels' loops sum in their own order)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * max(want.abs().max().item(), 1.0))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 9])
 def test_small_decode_kernels_equal_their_torch_forms(model, dtype: torch.dtype, rows: int) -> None:
-    """The eager step's one-dispatch kernels run the torch forms' own aten ops: bit-equal results,
-    and the same pool writes (masked rows write the sentinel into slot 0)."""
+    """The eager step's one-dispatch kernels against the torch forms: bf16 runs their own aten ops
+    (bit-equal), fp32 plain loops (within rounding; ids and pool writes exact)."""
     torch_ops, kernel_ops = TorchOps(), KernelOps()
+
+    def check(got: torch.Tensor, want: torch.Tensor) -> None:
+        if dtype == torch.float32:
+            _close(got, want)
+        else:
+            assert torch.equal(got, want)
+
     g = torch.Generator().manual_seed(rows)
     layers = model.model.layers
     hc, d = layers[0].attn_hc, model.config.hidden_size
@@ -146,25 +160,12 @@ def test_small_decode_kernels_equal_their_torch_forms(model, dtype: torch.dtype,
     with torch.no_grad():
         post, comb, _ = hc.reference(streams.float())
     out = torch.randn(rows, d, generator=g).to(dtype)
-    assert torch.equal(
-        kernel_ops.hc_post(post, comb, out, streams), torch_ops.hc_post(post, comb, out, streams)
-    )
+    check(kernel_ops.hc_post(post, comb, out, streams), torch_ops.hc_post(post, comb, out, streams))
 
-    comp = next(layer.self_attn.compressor for layer in layers if layer.self_attn.ratio == 4)
-    width = comp.coff * comp.head_dim
-    kv, gate = (torch.randn(rows, width, generator=g).to(dtype) for _ in range(2))
-    positions = torch.randint(0, 1000, (rows,), generator=g)
+    width = 2 * model.config.head_dim  # a ratio-4 compressor's state half
+    kv = torch.randn(rows, width, generator=g).to(dtype)
     mask = torch.rand(rows, generator=g) < 0.7
     loc = torch.randperm(40, generator=g)[:rows] + 1
-    states = [torch.randn(48, 2 * width, generator=g) for _ in range(2)]
-    states[1].copy_(states[0])
-    with torch.no_grad():
-        want = torch_ops.compress_state(comp, kv, gate, positions, mask, loc, states[0])
-        got = kernel_ops.compress_state(comp, kv, gate, positions, mask, loc, states[1])
-    assert torch.equal(got, want) and torch.equal(states[1], states[0])
-    if not mask.all():
-        assert states[0][0, width:].eq(float("-inf")).all()  # the sentinel went to slot 0
-
     pools = [torch.randn(48, width, generator=g) for _ in range(2)]
     pools[1].copy_(pools[0])
     torch_ops.masked_put(pools[0], loc, kv, mask)
@@ -178,13 +179,123 @@ def test_small_decode_kernels_equal_their_torch_forms(model, dtype: torch.dtype,
         with torch.no_grad():
             want_w, want_ids = torch_ops.route(router, x, input_ids)
             got_w, got_ids = kernel_ops.route(router, x, input_ids)
-        assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w), router.is_hash
+        assert torch.equal(got_ids, want_ids), router.is_hash
+        check(got_w, want_w)
 
     moe = copy.deepcopy(layers[1].mlp).to(dtype)
     pack = pack_linears([moe.shared_experts.gate_proj, moe.shared_experts.up_proj])
     with torch.no_grad():
-        assert torch.equal(kernel_ops.shared_expert(moe, x, pack), torch_ops.shared_expert(moe, x, pack))
-        torch.testing.assert_close(kernel_ops.shared_expert(moe, x, pack), moe.shared_experts(x))
+        got = kernel_ops.shared_expert(moe, x, pack)
+        check(got, torch_ops.shared_expert(moe, x, pack))
+        torch.testing.assert_close(got, moe.shared_experts(x))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_hc_post_loop(rows: int) -> None:
+    """fp32 hc_post as loops: comb is read as comb[j, k] (not transposed), post scales `out`, also
+    from non-contiguous inputs."""
+    g = torch.Generator().manual_seed(rows)
+    n, d = 4, 96
+    post, comb = torch.rand(rows, n, generator=g) * 2, torch.rand(rows, n, n, generator=g)
+    out = torch.randn(d, rows, generator=g).t()  # a transposed view
+    streams = torch.randn(rows, n, d, generator=g)
+    got = torch.ops.dsv4.hc_post(post, comb, out, streams)
+    _close(got, expand(post, comb, out, streams))
+    _close(got, post[..., None] * out[:, None] + torch.einsum("tjk,tjd->tkd", comb, streams))
+
+
+def _router(config, is_hash: bool, experts: int | None = None, seed: int = 0) -> Router:
+    if experts:
+        config = dataclasses.replace(config, n_routed_experts=experts)
+    router = _randomised(Router(config, is_hash), seed)
+    if is_hash:
+        g = torch.Generator().manual_seed(seed)
+        router.tid2eid.copy_(torch.randint(0, router.weight.shape[0], router.tid2eid.shape, generator=g))
+    return router
+
+
+def _route(router: Router, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    table = router.tid2eid if router.is_hash else router.e_score_correction_bias
+    return torch.ops.dsv4.route(
+        x, input_ids, router.weight, table, router.is_hash, router.top_k, router.scaling
+    )
+
+
+@pytest.mark.parametrize("is_hash", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_route_loop(model, is_hash: bool, rows: int) -> None:
+    """fp32 routing as loops (40 rows: x W^T by at::linear): Router.forward's ids exactly, its weights
+    within rounding. Row 0's logits reach ~100, where softplus must take its threshold (exp
+    overflows fp32: an infinite score otherwise)."""
+    router = _router(model.config, is_hash, seed=rows)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, model.config.hidden_size, generator=g)
+    x[0] *= 100.0 / torch.nn.functional.linear(x[0], router.weight).abs().max()
+    input_ids = torch.randint(0, model.config.vocab_size, (rows,), generator=g)
+    with torch.no_grad():
+        want_w, want_ids = router(x, input_ids)
+        got_w, got_ids = _route(router, x, input_ids)
+    assert torch.equal(got_ids, want_ids)
+    assert got_w.isfinite().all()
+    _close(got_w, want_w)
+
+
+@pytest.mark.parametrize("experts", [8, 128])
+def test_route_ties_pick_as_torch_topk(model, experts: int) -> None:
+    """Tied scores + bias: the same ids in the same order as torch.topk(sorted=False) on CPU (its
+    nth_element, or from 64 * k experts on its partial_sort)."""
+    router = _router(model.config, False, experts=experts)
+    with torch.no_grad():
+        router.weight.zero_()  # every score sqrt(log 2)
+        router.e_score_correction_bias.copy_(
+            torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 0.5, 1.0, 0.0]).repeat(experts // 8)
+        )
+    x = torch.randn(2, model.config.hidden_size)
+    with torch.no_grad():
+        want_w, want_ids = router(x, torch.zeros(2, dtype=torch.long))
+        got_w, got_ids = _route(router, x, torch.zeros(2, dtype=torch.long))
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_shared_expert_loop(model, rows: int) -> None:
+    """fp32 shared expert (below 32 rows its own GEMMs) with a limit that clamps gate and up on both
+    sides, against SharedExpert.forward."""
+    moe = copy.deepcopy(model.model.layers[1].mlp)
+    shared = _randomised(moe.shared_experts, seed=rows)
+    shared.limit = 0.5
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, model.config.hidden_size, generator=g)
+    pack = pack_linears([shared.gate_proj, shared.up_proj])
+    with torch.no_grad():
+        gate, up = shared.gate_proj(x), shared.up_proj(x)
+        assert (gate > 0.5).any() and (up > 0.5).any() and (up < -0.5).any()
+        got = KernelOps().shared_expert(moe, x, pack)
+        _close(got, shared(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slot_dtype", [torch.long, torch.int32])
+def test_masked_put_loop(dtype: torch.dtype, slot_dtype: torch.dtype) -> None:
+    """Rows of the pool's dtype are copied in a loop: kept rows to their slots, masked ones as zeros
+    into slot 0; also into a pool of strided rows (a column slice of a wider buffer), and (by aten)
+    into a transposed one."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(4, 8, generator=g).to(dtype)
+    slots = torch.tensor([5, 2, 9, 7]).to(slot_dtype)
+    mask = torch.tensor([True, False, True, False])
+    wide = torch.randn(20, 12, generator=g).to(dtype)
+    for fresh in (
+        lambda: wide[:, :8].clone(),
+        lambda: wide.clone()[:, 4:],
+        lambda: wide[:, :8].t().clone().t(),
+    ):
+        pool, want, got = fresh(), fresh(), fresh()
+        TorchOps().masked_put(want, slots.long(), rows, mask)
+        torch.ops.dsv4.masked_put(got, slots, rows, mask)
+        assert torch.equal(got, want)
+        assert torch.equal(got[[5, 9]], rows[[0, 2]]) and not got[0].any()
+        assert torch.equal(got[1:5], pool[1:5]) and torch.equal(got[6:9], pool[6:9])
 
 
 def test_disabled_runs_the_torch_code(model) -> None:

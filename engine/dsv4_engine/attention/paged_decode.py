@@ -16,19 +16,30 @@ substitute the fresh values), so a compiler updates the pools in place instead o
    indexer scores every indexer row j < visible and a stable sort (ties to the lower row) picks
    top-k, and only those k compressed rows are gathered.
 4. Softmax over [window | compressed | sink] per head, as `Dsv4Attention._attend`.
+
+Steps 2-4 go through the ops object (`ops.compress`, `ops.index_topk`, `ops.paged_attend`): the
+torch forms here are what a compiler fuses and a device graph captures; `KernelOps` (the eager CPU
+step) runs them as loops over the pools in place (`kernels/attention.cpp`), ~40 fewer dispatched
+ops a layer.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..memory.pools import Dsv4TokenToKVPool
 from ..model.attention import Dsv4Attention
-from ..model.compressor import Compressor
-from ..model.decode_ops import NEG_INF, TorchOps
+from ..model.compressor import Compressor, Indexer
 from ..model.packed import Packed, attention_inputs
 from .metadata import AttentionMetadata, CompressMetadata
+
+if TYPE_CHECKING:  # decode_ops imports this module's torch forms
+    from ..model.decode_ops import TorchOps
+
+NEG_INF = float("-inf")
 
 
 def _flat(buf: torch.Tensor) -> torch.Tensor:
@@ -147,76 +158,90 @@ def paged_decode_attention(
     that many pages instead of the table's full width (the longest context the buffers allow), and
     block pooling runs only for rows that complete a block (host reads; see `compress_decode`)."""
     layer, bsz = attn.layer, x.shape[0]
-    projected = packed(x) if packed is not None else [m(x) for m in attention_inputs(attn)]
+    projected = ops.project(packed, x) if packed is not None else [m(x) for m in attention_inputs(attn)]
     q_residual = ops.norm(attn.q_a_norm, projected[0])
-    q = attn.q_b_proj(q_residual).view(bsz, attn.num_heads, attn.head_dim)
+    q = ops.linear(attn.q_b_proj, q_residual).view(bsz, attn.num_heads, attn.head_dim)
     q = ops.rotate(ops.unit_norm(q, attn.eps), cos, sin)
     kv = ops.rotate(ops.norm(attn.kv_norm, projected[1]), cos, sin)
+    ops.masked_put(pools.swa[layer], meta.out_swa_loc, kv, meta.seq_lens > 0)
 
-    valid = meta.seq_lens > 0
-    swa = pools.swa[layer]
-    ops.masked_put(swa, meta.out_swa_loc, kv, valid)
-    keys = gather_rows(swa, meta.swa_slots.clamp(min=0)).to(kv.dtype)  # [B, W, D], oldest first
-    bias = _bias(meta.swa_slots >= 0)
-
-    comp = attn.compressor
+    comp, comp_pool, rows, visible = attn.compressor, None, None, None
     sparse = num_pages is not None
     page_table = meta.page_table if num_pages is None else meta.page_table[:, :num_pages]
     if comp is not None:
-        positions = meta.positions
-        if attn.ratio == 4:
-            cm = meta.c4
+        c4 = attn.ratio == 4
+        cm = meta.c4 if c4 else meta.c128
+        comp_pool, state = (pools.c4, pools.c4_state) if c4 else (pools.c128, pools.c128_state)
+        comp_pool, visible = comp_pool[layer], cm.visible
+        ops.compress(comp, *projected[2:4], meta.positions, cm, state[layer], comp_pool, sparse)
+        if c4:
             indexer = comp.indexer
-            comp_kv, comp_gate, idx_kv, idx_gate, idx_w = projected[2:]
-            compress_decode(
-                comp, comp_kv, comp_gate, positions, cm, pools.c4_state[layer], pools.c4[layer], ops, sparse
+            idx_kv, idx_gate, idx_w = projected[4:]
+            index_pool = pools.indexer[layer]
+            ops.compress(
+                indexer, idx_kv, idx_gate, meta.positions, cm, pools.c4_index_state[layer], index_pool, sparse
             )
-            compress_decode(
-                indexer,
-                idx_kv,
-                idx_gate,
-                positions,
-                cm,
-                pools.c4_index_state[layer],
-                pools.indexer[layer],
-                ops,
-                sparse,
-            )
-            slots = all_row_slots(page_table, 4, pools.page_size)  # [B, N]
-            idx_q = ops.rotate(indexer.unrotated_queries(q_residual), cos, sin)  # as Indexer.queries
+            idx_q = ops.linear(indexer.q_b_proj, q_residual).view(bsz, indexer.num_heads, indexer.head_dim)
+            idx_q = ops.rotate(idx_q, cos, sin)  # as Indexer.queries
             idx_w = indexer.head_weights(idx_w)
-            idx_keys = gather_rows(pools.indexer[layer], slots).float()  # [B, N, Di]
-            scores = F.relu(torch.matmul(idx_q.float(), idx_keys.transpose(1, 2))) * indexer.softmax_scale
-            scores = (scores * idx_w[:, :, None]).sum(dim=1)  # [B, N]
-            rows = torch.arange(slots.shape[1], device=x.device)[None, :]
-            scores = scores.masked_fill(rows >= cm.visible[:, None], NEG_INF)
-            picked = _stable_topk(scores, min(indexer.topk, slots.shape[1]), ops.for_compiler)
-            comp_keys = gather_rows(pools.c4[layer], slots.gather(1, picked))
-            comp_bias = _bias(picked < cm.visible[:, None])
-        else:
-            cm = meta.c128
-            comp_kv, comp_gate = projected[2:]
-            compress_decode(
-                comp,
-                comp_kv,
-                comp_gate,
-                positions,
-                cm,
-                pools.c128_state[layer],
-                pools.c128[layer],
-                ops,
-                sparse,
-            )
-            slots = all_row_slots(page_table, 128, pools.page_size)
-            comp_keys = gather_rows(pools.c128[layer], slots)
-            rows = torch.arange(slots.shape[1], device=x.device)[None, :]
-            comp_bias = _bias(rows < cm.visible[:, None])
-        keys = torch.cat([keys, comp_keys.to(keys.dtype)], dim=1)
-        bias = torch.cat([bias, comp_bias], dim=1)
+            rows = ops.index_topk(indexer, idx_q, idx_w, index_pool, page_table, visible, pools.page_size)
 
-    out = ops.attend(attn, q, keys, bias)
+    out = ops.paged_attend(
+        attn, q, pools.swa[layer], meta.swa_slots, comp_pool, page_table, rows, visible, pools.page_size
+    )
     out = ops.rotate(out, cos, sin, inverse=True)  # undo RoPE carried by V
-    return attn.o_b_proj(attn.o_a_proj(out.reshape(bsz, attn.o_groups, -1)))
+    return ops.linear(attn.o_b_proj, attn.o_a_proj(out.reshape(bsz, attn.o_groups, -1)))
+
+
+def index_topk(
+    indexer: Indexer,
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    page_table: torch.Tensor,
+    visible: torch.Tensor,
+    page_size: int,
+    by_keys: bool,
+) -> torch.Tensor:
+    """The compressed rows `[B, k]` each row's indexer picks: top-k of `sum_h w_h * relu(q_h . key_j)`
+    over every indexer row of the table (rows j >= visible score -inf); `q [B, H, Di]` rotated,
+    `weights [B, H]` (fp32). Picks at or past `visible` (fewer visible rows than k) are not rows."""
+    slots = all_row_slots(page_table, indexer.ratio, page_size)  # [B, N]
+    idx_keys = gather_rows(keys, slots).float()  # [B, N, Di]
+    scores = F.relu(torch.matmul(q.float(), idx_keys.transpose(1, 2))) * indexer.softmax_scale
+    scores = (scores * weights[:, :, None]).sum(dim=1)  # [B, N]
+    rows = torch.arange(slots.shape[1], device=q.device)[None, :]
+    scores = scores.masked_fill(rows >= visible[:, None], NEG_INF)
+    return _stable_topk(scores, min(indexer.topk, slots.shape[1]), by_keys)
+
+
+def paged_attend(
+    attn: Dsv4Attention,
+    q: torch.Tensor,
+    swa: torch.Tensor,
+    swa_slots: torch.Tensor,
+    comp_pool: torch.Tensor | None,
+    page_table: torch.Tensor,
+    rows: torch.Tensor | None,
+    visible: torch.Tensor | None,
+    page_size: int,
+    ops: TorchOps,
+) -> torch.Tensor:
+    """Softmax over [window | compressed | sink] per head, `q [B, H, D]` -> `[B, H, D]`: the window
+    `swa[swa_slots]` (-1 masked) and, with a compressor, compressed rows `rows [B, k]` (CSA's picks)
+    or every row (HCA), through the page table, those at or past `visible` masked."""
+    keys = gather_rows(swa, swa_slots.clamp(min=0)).to(q.dtype)  # [B, W, D], oldest first
+    bias = _bias(swa_slots >= 0)
+    if comp_pool is not None and visible is not None:
+        slots = all_row_slots(page_table, attn.ratio, page_size)  # [B, N]
+        if rows is None:
+            comp_keys = gather_rows(comp_pool, slots)
+            rows = torch.arange(slots.shape[1], device=q.device)[None, :]
+        else:
+            comp_keys = gather_rows(comp_pool, slots.gather(1, rows))
+        keys = torch.cat([keys, comp_keys.to(keys.dtype)], dim=1)
+        bias = torch.cat([bias, _bias(rows < visible[:, None])], dim=1)
+    return ops.attend(attn, q, keys, bias)
 
 
 def _stable_topk(scores: torch.Tensor, k: int, by_keys: bool) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Fused CPU kernels for the decode step: `torch.ops.dsv4.*` (mHC, routed experts, norms, RoPE, the
-decode metadata fill).
+decode metadata fill, and attention over the paged pools).
 
 Eager torch pays a Python dispatch per op (5-10 us on these machines); the mHC Sinkhorn alone is ~80
 ops per sub-block. `cpu.cpp` runs the same aten sequences from C++ and the 4x4 Sinkhorn as plain
-loops, one dispatch per kernel. It is built with torch's C++ extension tooling on first use into
-`$XDG_CACHE_HOME/dsv4/kernels/<hash>` (the hash covers the source, torch's version and the compiler
+loops, one dispatch per kernel; `attention.cpp` reads the pools in place for a layer's compressors,
+indexer top-k and attention, instead of ~50 gathers, masks and concatenations. It is built with torch's C++ extension tooling on first use into
+`$XDG_CACHE_HOME/dsv4/kernels/<hash>` (the hash covers the sources, torch's version and the compiler
 flags), so a second process only loads the shared library. Each op has a fake (meta) implementation,
 so `torch.compile` keeps it as one opaque call.
 
@@ -28,14 +29,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp"))
 CFLAGS = ("-O3",)
 _state: dict[str, bool] = {}
 
 
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode())
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(CFLAGS).encode())
     return Path(base) / "dsv4" / "kernels" / key.hexdigest()[:16]
 
 
@@ -48,7 +50,7 @@ def _build() -> None:
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name="dsv4_cpu_kernels",
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in SOURCES],
         build_directory=str(out),
         extra_cflags=list(CFLAGS),
         is_python_module=False,
@@ -90,10 +92,6 @@ def _register_fakes() -> None:
     def _(post, comb, out, streams):  # type: ignore[no-untyped-def]
         return torch.empty_like(streams)
 
-    @torch.library.register_fake("dsv4::compress_state")
-    def _(kv, gate, position_bias, positions, mask, loc, state):  # type: ignore[no-untyped-def]
-        return kv.new_empty(kv.shape[0], 2 * kv.shape[1], dtype=state.dtype)
-
     @torch.library.register_fake("dsv4::masked_put")
     def _(pool, slots, rows, mask):  # type: ignore[no-untyped-def]
         return None
@@ -101,6 +99,22 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dsv4::route")
     def _(x, input_ids, weight, table, is_hash, top_k, scaling):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], top_k), x.new_empty(x.shape[0], top_k, dtype=torch.long)
+
+    @torch.library.register_fake("dsv4::compress_decode")
+    def _(kv, gate, pb, pos, wmask, wloc, start, slots, bmask, bloc, bpos, cos, sin, w, eps, state, rows):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("dsv4::index_topk")
+    def _(q, weights, keys, page_table, visible, ratio, page_size, scale, k):  # type: ignore[no-untyped-def]
+        return q.new_empty(q.shape[0], k, dtype=torch.long)
+
+    @torch.library.register_fake("dsv4::paged_attention")
+    def _(q, swa, swa_slots, comp, page_table, rows, visible, ratio, page_size, sinks, scaling):  # type: ignore[no-untyped-def]
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("dsv4::linear")
+    def _(x, weight):  # type: ignore[no-untyped-def]
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("dsv4::shared_expert")
     def _(x, gate_up, down, limit):  # type: ignore[no-untyped-def]

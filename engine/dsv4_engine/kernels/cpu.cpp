@@ -15,6 +15,7 @@
 #endif
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <cmath>
 #include <vector>
@@ -89,127 +90,6 @@ void hc_rows(const T* streams, const float* mixes, const float* base, const floa
       for (int64_t k = 0; k < d; ++k) out[k] = static_cast<T>(acc[k]);
     }
   }
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(
-    const at::Tensor& streams, const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale,
-    int64_t iters, double hc_eps, double norm_eps) {
-  const int64_t t = streams.size(0), n = streams.size(1), d = streams.size(2);
-  TORCH_CHECK(n <= 16, "hc_pre: at most 16 streams");
-  auto sc = streams.contiguous();
-  auto flat = sc.view({t, n * d}).to(at::kFloat);
-  auto w = fn.to(at::kFloat);
-  at::Tensor mixes;  // hyper.stream_mixes: fp32 scales the map's output, other dtypes its input
-  if (sc.scalar_type() == at::kFloat) {
-    auto sum_sq = at::linalg_vector_norm(flat, 2, {-1}, true).square_();
-    mixes = at::mm(flat, w.t()).mul_(at::rsqrt(sum_sq.div_(n * d).add_(norm_eps)));
-  } else {
-    mixes = at::mm(flat * at::rsqrt(flat.square().mean({-1}, true) + norm_eps), w.t());
-  }
-  mixes = mixes.contiguous();
-  auto b = base.to(at::kFloat).contiguous(), s = scale.to(at::kFloat).contiguous();
-  auto post = at::empty({t, n}, flat.options());
-  auto comb = at::empty({t, n, n}, flat.options());
-  auto collapsed = at::empty({t, d}, sc.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sc.scalar_type(), "hc_pre", [&] {
-    hc_rows<scalar_t>(sc.data_ptr<scalar_t>(), mixes.data_ptr<float>(), b.data_ptr<float>(),
-                      s.data_ptr<float>(), t, n, d, iters, static_cast<float>(hc_eps),
-                      post.data_ptr<float>(), comb.data_ptr<float>(), collapsed.data_ptr<scalar_t>());
-  });
-  return {post, comb, collapsed};
-}
-
-// model.hyper.expand: new streams `post_k * out + sum_j comb[j, k] * streams_j`, the same aten ops
-// (fp32: the spread, then one in-place baddbmm; other dtypes HF's order: spread + matmul).
-at::Tensor hc_post(const at::Tensor& post, const at::Tensor& comb, const at::Tensor& out,
-                   const at::Tensor& streams) {
-  const auto dtype = streams.scalar_type();
-  if (dtype != at::kFloat)
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + at::matmul(comb.to(dtype).transpose(-1, -2), streams);
-  return at::mul(post.unsqueeze(-1), out.unsqueeze(-2)).baddbmm_(comb.transpose(-1, -2), streams);
-}
-
-// decode_ops.TorchOps.compress_state: the decode token's compressor state row `[kv | gate + position
-// bias]` (returned) written to its slot where `mask`, else the sentinel (kv 0, score -inf) to slot 0.
-at::Tensor compress_state(const at::Tensor& kv, const at::Tensor& gate, const at::Tensor& position_bias,
-                          const at::Tensor& positions, const at::Tensor& mask, const at::Tensor& loc,
-                          at::Tensor state) {
-  const int64_t ratio = position_bias.size(0), half = kv.size(-1);
-  auto score = gate + position_bias.index_select(0, at::remainder(positions, ratio));
-  auto own = at::cat({kv.to(state.scalar_type()), score.to(state.scalar_type())}, -1);
-  auto keep = mask.unsqueeze(1);
-  auto sentinel = at::full_like(own.narrow(1, half, own.size(1) - half), -std::numeric_limits<double>::infinity());
-  auto masked = at::cat({at::where(keep, own.narrow(1, 0, half), 0.0),
-                         at::where(keep, own.narrow(1, half, own.size(1) - half), sentinel)}, -1);
-  state.index_put_({at::where(mask, loc, 0)}, masked);
-  return own;
-}
-
-// paged_decode._masked_put: pool[slots] = rows where mask, else the sentinel (0) into slot 0.
-void masked_put(at::Tensor pool, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& mask) {
-  pool.index_put_({at::where(mask, slots, 0)}, at::where(mask.unsqueeze(1), rows.to(pool.scalar_type()), 0.0));
-}
-
-// MoE's Router.forward: (weights * scaling [T, k], expert ids [T, k]) from sqrt(softplus(x W^T)),
-// ids by tid2eid (hash layers: `table` [V, k]) or the top-k of scores + bias (`table` [E]).
-std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& input_ids, const at::Tensor& weight,
-                                         const at::Tensor& table, bool is_hash, int64_t top_k, double scaling) {
-  auto scores = at::softplus(at::linear(x, weight)).sqrt();
-  auto ids = is_hash ? table.index_select(0, input_ids).to(at::kLong)
-                     : std::get<1>(at::topk(scores + table, top_k, -1, true, false));
-  auto w = scores.gather(1, ids);
-  w = w / (w.sum(-1, true) + 1e-20);
-  return {w * scaling, ids};
-}
-
-// SharedExpert.combine over the packed gate/up projection: down(silu(gate <= limit) * clamp(up)).
-at::Tensor shared_expert(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, double limit) {
-  auto h = at::linear(x, gate_up);
-  const int64_t inter = h.size(-1) / 2;
-  auto act = at::silu(h.narrow(-1, 0, inter).clamp(c10::nullopt, limit)) * h.narrow(-1, inter, inter).clamp(-limit, limit);
-  return at::linear(act, down);
-}
-
-// The (token, expert) pairs of `ids` [T, k] grouped by expert, in token order within each expert
-// (a stable counting sort, as argsort(stable=True)): pairs `order[start[e]..start[e+1])` are expert e's.
-struct ExpertGroups {
-  std::vector<int64_t> order, start;
-};
-
-ExpertGroups group_by_expert(const at::Tensor& ids, int64_t num_experts) {
-  auto flat = ids.flatten().to(at::kLong).contiguous();
-  const int64_t* id = flat.data_ptr<int64_t>();
-  const int64_t pairs = flat.numel();
-  ExpertGroups g{std::vector<int64_t>(pairs), std::vector<int64_t>(num_experts + 1, 0)};
-  for (int64_t i = 0; i < pairs; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < num_experts, "moe_experts: expert id out of range");
-    ++g.start[id[i] + 1];
-  }
-  for (int64_t e = 0; e < num_experts; ++e) g.start[e + 1] += g.start[e];
-  std::vector<int64_t> fill(g.start.begin(), g.start.end() - 1);
-  for (int64_t i = 0; i < pairs; ++i) g.order[fill[id[i]]++] = i;
-  return g;
-}
-
-// Any dtype: per expert in use, the aten ops of Experts.forward on its rows (bit-equal to it).
-at::Tensor moe_experts_aten(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
-                            const ExpertGroups& g, int64_t k, const at::Tensor& weights, double limit) {
-  const int64_t num_experts = gate_up.size(0), inter = down.size(2);
-  auto out = at::zeros_like(x);
-  auto order = at::tensor(g.order, x.options().dtype(at::kLong));
-  auto tokens = at::floor_divide(order, k);
-  auto flat_weights = weights.flatten().index_select(0, order);
-  for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t count = g.start[e + 1] - g.start[e];
-    if (!count) continue;
-    auto rows = tokens.narrow(0, g.start[e], count);
-    auto h = at::linear(x.index_select(0, rows), gate_up[e]);
-    auto gate = h.narrow(-1, 0, inter), up = h.narrow(-1, inter, inter);
-    auto act = at::silu(gate.clamp_max(limit)) * up.clamp(-limit, limit);
-    auto y = at::linear(act, down[e]);
-    out.index_add_(0, rows, (y * flat_weights.narrow(0, g.start[e], count).unsqueeze(1)).to(out.scalar_type()));
-  }
-  return out;
 }
 
 #if defined(__x86_64__)
@@ -294,6 +174,385 @@ bool skinny_supported() {
 // Below this many rows an expert's GEMMs go to skinny_gemm (x86 with AVX2): MKL streams the weights
 // at half the memory bandwidth there. From it on, BLAS: its blocking wins once the weights are reused.
 constexpr int64_t kSkinnyRows = 32;
+
+// Up to this many rows hc_pre's map runs as dot-product loops: on one thread they beat the aten ops
+// (~30 us of dispatches) at any row count measured, but only MKL's GEMM spreads a prefill's thousands
+// of rows over threads, so those keep it.
+constexpr int64_t kHcLoopRows = 32;
+
+// y[i, j] = dot(x_i, w_j) for m rows against w [n, k]: skinny_gemm where AVX2 is there, else loops
+// with 8 independent partial sums (gcc -O3 vectorises those without reassociating a float sum).
+void small_gemm(const float* const* x, int64_t m, const float* w, int64_t n, int64_t k, float* y, int64_t ldy) {
+#if defined(__x86_64__)
+  if (skinny_supported()) return skinny_gemm(x, m, w, n, k, y, ldy);
+#endif
+  const int64_t k8 = k & ~int64_t(7);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const float *xi = x[i], *wj = w + j * k;
+      float acc[8] = {};
+      for (int64_t c = 0; c < k8; c += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += xi[c + l] * wj[c + l];
+      float s = 0.f;
+      for (int l = 0; l < 8; ++l) s += acc[l];
+      for (int64_t c = k8; c < k; ++c) s += xi[c] * wj[c];
+      y[i * ldy + j] = s;
+    }
+}
+
+// The RMS norm's sum of squares, in 8 partial sums as small_gemm.
+float sum_squares(const float* x, int64_t k) {
+  const int64_t k8 = k & ~int64_t(7);
+  float acc[8] = {};
+  for (int64_t c = 0; c < k8; c += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += x[c + l] * x[c + l];
+  float s = 0.f;
+  for (int l = 0; l < 8; ++l) s += acc[l];
+  for (int64_t c = k8; c < k; ++c) s += x[c] * x[c];
+  return s;
+}
+
+// t itself when already contiguous fp32: a dispatched to() costs ~1 us even when it returns t.
+at::Tensor f32c(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(
+    const at::Tensor& streams, const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale,
+    int64_t iters, double hc_eps, double norm_eps) {
+  const int64_t t = streams.size(0), n = streams.size(1), d = streams.size(2);
+  TORCH_CHECK(n <= 16, "hc_pre: at most 16 streams");
+  const int64_t width = (2 + n) * n;
+  TORCH_CHECK(fn.size(0) == width && fn.size(1) == n * d, "hc_pre: fn must be [(2 + n) * n, n * D]");
+  auto sc = streams.contiguous();
+  auto b = f32c(base), s = f32c(scale);
+  auto post = at::empty({t, n}, sc.options().dtype(at::kFloat));
+  auto comb = at::empty({t, n, n}, sc.options().dtype(at::kFloat));
+  auto collapsed = at::empty({t, d}, sc.options());
+  if (sc.scalar_type() == at::kFloat && t <= kHcLoopRows) {
+    // hyper.stream_mixes for a few fp32 rows: the dot products, then each row times its RMS scale.
+    auto w = f32c(fn);
+    const float* sp = sc.data_ptr<float>();
+    std::vector<float> mixes(t * width);
+    std::vector<const float*> rows(t);
+    for (int64_t r = 0; r < t; ++r) rows[r] = sp + r * n * d;
+    small_gemm(rows.data(), t, w.data_ptr<float>(), width, n * d, mixes.data(), width);
+    for (int64_t r = 0; r < t; ++r) {
+      const float ms = sum_squares(rows[r], n * d) / static_cast<float>(n * d);
+      const float rs = 1.f / std::sqrt(ms + static_cast<float>(norm_eps));
+      for (int64_t j = 0; j < width; ++j) mixes[r * width + j] *= rs;
+    }
+    hc_rows<float>(sp, mixes.data(), b.data_ptr<float>(), s.data_ptr<float>(), t, n, d, iters,
+                   static_cast<float>(hc_eps), post.data_ptr<float>(), comb.data_ptr<float>(),
+                   collapsed.data_ptr<float>());
+    return {post, comb, collapsed};
+  }
+  auto flat = sc.view({t, n * d}).to(at::kFloat);
+  auto w = fn.to(at::kFloat);
+  at::Tensor mixes;  // hyper.stream_mixes: fp32 scales the map's output, other dtypes its input
+  if (sc.scalar_type() == at::kFloat) {
+    auto sum_sq = at::linalg_vector_norm(flat, 2, {-1}, true).square_();
+    mixes = at::mm(flat, w.t()).mul_(at::rsqrt(sum_sq.div_(n * d).add_(norm_eps)));
+  } else {
+    mixes = at::mm(flat * at::rsqrt(flat.square().mean({-1}, true) + norm_eps), w.t());
+  }
+  mixes = mixes.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sc.scalar_type(), "hc_pre", [&] {
+    hc_rows<scalar_t>(sc.data_ptr<scalar_t>(), mixes.data_ptr<float>(), b.data_ptr<float>(),
+                      s.data_ptr<float>(), t, n, d, iters, static_cast<float>(hc_eps),
+                      post.data_ptr<float>(), comb.data_ptr<float>(), collapsed.data_ptr<scalar_t>());
+  });
+  return {post, comb, collapsed};
+}
+
+#if defined(__x86_64__)
+// hc_post's sum over streams as an FMA chain from j = 0, the order in which MKL's sgemm forms
+// baddbmm_ here (the loop is then bit-equal to the aten form on AVX2 machines).
+DSV4_AVX2 void stream_sum_fma(const float* c, const float* st, int64_t n, int64_t k, int64_t d, float* y) {
+  for (int64_t i = 0; i < d; ++i) y[i] = c[k] * st[i];
+  for (int64_t j = 1; j < n; ++j)
+    for (int64_t i = 0; i < d; ++i) y[i] = std::fma(c[j * n + k], st[j * d + i], y[i]);
+}
+#endif
+
+// One new stream k of hc_post: y = post_k * out + sum_j comb[j, k] * streams_j, the sum first.
+void hc_post_row(const float* c, const float* st, const float* o, float pk, int64_t n, int64_t k, int64_t d,
+                 bool fma, float* y) {
+#if defined(__x86_64__)
+  if (fma) {
+    stream_sum_fma(c, st, n, k, d, y);
+  } else
+#endif
+  {
+    for (int64_t i = 0; i < d; ++i) y[i] = c[k] * st[i];
+    for (int64_t j = 1; j < n; ++j)
+      for (int64_t i = 0; i < d; ++i) y[i] += c[j * n + k] * st[j * d + i];
+  }
+  // Two roundings, as the aten form (x86-64 baseline code has no FMA for gcc to contract this into).
+  for (int64_t i = 0; i < d; ++i) y[i] = pk * o[i] + y[i];
+}
+
+// model.hyper.expand: new streams `post_k * out + sum_j comb[j, k] * streams_j`. fp32 [T, n, D] as
+// loops (the comb sum first, then the spread added, as baddbmm_ onto the spread); otherwise the aten
+// ops (fp32: the spread, then one in-place baddbmm; other dtypes HF's order: spread + matmul).
+at::Tensor hc_post(const at::Tensor& post, const at::Tensor& comb, const at::Tensor& out,
+                   const at::Tensor& streams) {
+  const auto dtype = streams.scalar_type();
+  if (dtype != at::kFloat)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + at::matmul(comb.to(dtype).transpose(-1, -2), streams);
+  if (streams.dim() != 3 || post.dim() != 2 || comb.dim() != 3 || out.dim() != 2 ||
+      post.scalar_type() != at::kFloat || comb.scalar_type() != at::kFloat || out.scalar_type() != at::kFloat)
+    return at::mul(post.unsqueeze(-1), out.unsqueeze(-2)).baddbmm_(comb.transpose(-1, -2), streams);
+  const int64_t t = streams.size(0), n = streams.size(1), d = streams.size(2);
+  TORCH_CHECK(post.size(0) == t && post.size(1) == n && comb.size(0) == t && comb.size(1) == n &&
+              comb.size(2) == n && out.size(0) == t && out.size(1) == d, "hc_post: shape mismatch");
+  auto pc = post.contiguous(), cc = comb.contiguous(), oc = out.contiguous(), sc = streams.contiguous();
+  auto res = at::empty({t, n, d}, sc.options());
+  const float *pp = pc.data_ptr<float>(), *cp = cc.data_ptr<float>(), *op = oc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
+  float* rp = res.data_ptr<float>();
+#if defined(__x86_64__)
+  const bool fma = skinny_supported();
+#else
+  const bool fma = false;
+#endif
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t k = 0; k < n; ++k)
+      hc_post_row(cp + r * n * n, sp + r * n * d, op + r * d, pp[r * n + k], n, k, d, fma, rp + (r * n + k) * d);
+  return res;
+}
+
+// Whether dims 1.. of t are packed (its rows may sit at any stride).
+bool rows_packed(const at::Tensor& t) {
+  int64_t expect = 1;
+  for (int64_t i = t.dim() - 1; i >= 1; --i) {
+    if (t.size(i) != 1 && t.stride(i) != expect) return false;
+    expect *= t.size(i);
+  }
+  return true;
+}
+
+// paged_decode._masked_put: pool[slots] = rows where mask, else the sentinel (0) into slot 0. Rows
+// of pool's dtype and shape are copied in a loop (rows in order: a later duplicate slot wins).
+void masked_put(at::Tensor pool, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& mask) {
+  const bool direct = pool.dim() >= 1 && rows.dim() == pool.dim() && rows.scalar_type() == pool.scalar_type() &&
+                      rows.sizes().slice(1) == pool.sizes().slice(1) && rows_packed(pool) &&
+                      slots.dim() == 1 && mask.dim() == 1 && slots.size(0) == rows.size(0) &&
+                      mask.size(0) == rows.size(0) && mask.scalar_type() == at::kBool &&
+                      (slots.scalar_type() == at::kLong || slots.scalar_type() == at::kInt);
+  if (!direct) {
+    pool.index_put_({at::where(mask, slots, 0)}, at::where(mask.unsqueeze(1), rows.to(pool.scalar_type()), 0.0));
+    return;
+  }
+  auto rc = rows.contiguous(), sc = slots.contiguous(), mc = mask.contiguous();
+  const int64_t count = rc.size(0), size = pool.size(0);
+  const int64_t bytes = (count ? rc.numel() / count : 0) * rc.element_size();
+  const int64_t stride = pool.stride(0) * pool.element_size();
+  char* dst = static_cast<char*>(pool.data_ptr());
+  const char* src = static_cast<const char*>(rc.data_ptr());
+  const bool* keep = mc.data_ptr<bool>();
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t slot = 0;
+    if (keep[i]) {
+      slot = sc.scalar_type() == at::kLong ? sc.data_ptr<int64_t>()[i] : sc.data_ptr<int32_t>()[i];
+      TORCH_CHECK(slot >= -size && slot < size, "masked_put: slot ", slot, " out of range for ", size, " rows");
+      if (slot < 0) slot += size;
+      std::memcpy(dst + slot * stride, src + i * bytes, bytes);
+    } else {
+      TORCH_CHECK(size > 0, "masked_put: no slot 0 for a masked row");
+      std::memset(dst, 0, bytes);
+    }
+  }
+}
+
+// Expert ids of one row as torch.topk(values, k, sorted=False) on CPU (TopKImpl.h): the same
+// (value, index) queue, comparator (NaN largest) and std algorithm, so ties and the order match.
+void topk_ids(const float* values, int64_t e, int64_t k, std::vector<std::pair<float, int64_t>>& queue,
+              int64_t* ids) {
+  for (int64_t j = 0; j < e; ++j) queue[j] = {values[j], j};
+  auto larger = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+  };
+  if (k * 64 <= e)
+    std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), larger);
+  else
+    std::nth_element(queue.begin(), queue.begin() + k - 1, queue.end(), larger);
+  for (int64_t j = 0; j < k; ++j) ids[j] = queue[j].second;
+}
+
+// MoE's Router.forward: (weights * scaling [T, k], expert ids [T, k]) from sqrt(softplus(x W^T)),
+// ids by tid2eid (hash layers: `table` [V, k]) or the top-k of scores + bias (`table` [E]). fp32 runs
+// as loops (x W^T by small_gemm below kSkinnyRows rows; softplus with torch's beta 1, threshold 20).
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& input_ids, const at::Tensor& weight,
+                                         const at::Tensor& table, bool is_hash, int64_t top_k, double scaling) {
+  const bool fp32 = x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.dim() == 2 &&
+                    (is_hash ? table.dim() == 2 && table.size(1) == top_k &&
+                                   (table.scalar_type() == at::kLong || table.scalar_type() == at::kInt) &&
+                                   input_ids.dim() == 1 && input_ids.size(0) == x.size(0) &&
+                                   input_ids.scalar_type() == at::kLong
+                             : table.dim() == 1 && table.scalar_type() == at::kFloat);
+  if (!fp32) {
+    auto scores = at::softplus(at::linear(x, weight)).sqrt();
+    auto ids = is_hash ? table.index_select(0, input_ids).to(at::kLong)
+                       : std::get<1>(at::topk(scores + table, top_k, -1, true, false));
+    auto w = scores.gather(1, ids);
+    w = w / (w.sum(-1, true) + 1e-20);
+    return {w * scaling, ids};
+  }
+  const int64_t t = x.size(0), e = weight.size(0), h = x.size(1);
+  TORCH_CHECK(weight.size(1) == h && top_k >= 1 && top_k <= e, "route: bad shapes");
+  TORCH_CHECK(is_hash || table.size(0) == e, "route: bias must have one entry per expert");
+  auto xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor logits;
+  std::vector<float> small;
+  const float* lp;
+  if (t < kSkinnyRows) {
+    small.resize(t * e);
+    std::vector<const float*> rows(t);
+    for (int64_t r = 0; r < t; ++r) rows[r] = xc.data_ptr<float>() + r * h;
+    small_gemm(rows.data(), t, wc.data_ptr<float>(), e, h, small.data(), e);
+    lp = small.data();
+  } else {
+    logits = at::linear(xc, wc).contiguous();
+    lp = logits.data_ptr<float>();
+  }
+  auto weights = at::empty({t, top_k}, xc.options());
+  auto ids = at::empty({t, top_k}, xc.options().dtype(at::kLong));
+  float* wp = weights.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  std::vector<float> scores(e), biased(e);
+  std::vector<std::pair<float, int64_t>> queue(e);
+  auto tc = table.contiguous(), ic = input_ids.contiguous();
+  const float scale = static_cast<float>(scaling);
+  for (int64_t r = 0; r < t; ++r) {
+    for (int64_t j = 0; j < e; ++j) {
+      const float v = lp[r * e + j];
+      scores[j] = std::sqrt(v > 20.f ? v : std::log1p(std::exp(v)));
+    }
+    int64_t* id = ip + r * top_k;
+    if (is_hash) {
+      const int64_t tok = ic.data_ptr<int64_t>()[r], vocab = tc.size(0);
+      TORCH_CHECK(tok >= 0 && tok < vocab, "route: input id ", tok, " out of range");
+      const int64_t row = tok * top_k;
+      for (int64_t j = 0; j < top_k; ++j) {
+        id[j] = tc.scalar_type() == at::kLong ? tc.data_ptr<int64_t>()[row + j] : tc.data_ptr<int32_t>()[row + j];
+        TORCH_CHECK(id[j] >= 0 && id[j] < e, "route: expert id ", id[j], " out of range");
+      }
+    } else {
+      const float* bias = tc.data_ptr<float>();
+      for (int64_t j = 0; j < e; ++j) biased[j] = scores[j] + bias[j];
+      topk_ids(biased.data(), e, top_k, queue, id);
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) sum += scores[id[j]];
+    const float denom = sum + 1e-20f;
+    for (int64_t j = 0; j < top_k; ++j) wp[r * top_k + j] = scores[id[j]] / denom * scale;
+  }
+  return {weights, ids};
+}
+
+// SharedExpert.combine over the packed gate/up projection: down(silu(gate <= limit) * clamp(up)).
+// fp32: the two GEMMs as small_gemm below kSkinnyRows rows (else mm) and the activation in one loop.
+// F.linear without bias: fp32 rows below kSkinnyRows by small_gemm (one pass over the weight, the
+// next tile prefetched), otherwise at::linear. A decode step's projections are this shape, and
+// MKL's sgemm streams a weight at half the bandwidth at a few rows.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t k = weight.size(1), n = weight.size(0);
+  if (x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || x.size(-1) != k || !x.is_contiguous() ||
+      !weight.is_contiguous() || x.numel() / std::max<int64_t>(k, 1) >= kSkinnyRows)
+    return at::linear(x, weight);
+  const int64_t t = x.numel() / std::max<int64_t>(k, 1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, x.options());
+  std::vector<const float*> rows(t);
+  for (int64_t r = 0; r < t; ++r) rows[r] = x.data_ptr<float>() + r * k;
+  small_gemm(rows.data(), t, weight.data_ptr<float>(), n, k, out.data_ptr<float>(), n);
+  return out;
+}
+
+at::Tensor shared_expert(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, double limit) {
+  const bool fp32 = x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat &&
+                    down.scalar_type() == at::kFloat && x.dim() == 2;
+  if (!fp32) {
+    auto h = at::linear(x, gate_up);
+    const int64_t inter = h.size(-1) / 2;
+    auto act = at::silu(h.narrow(-1, 0, inter).clamp(c10::nullopt, limit)) *
+               h.narrow(-1, inter, inter).clamp(-limit, limit);
+    return at::linear(act, down);
+  }
+  const int64_t t = x.size(0), hidden = x.size(1), inter = gate_up.size(0) / 2, out_dim = down.size(0);
+  TORCH_CHECK(gate_up.size(1) == hidden && down.size(1) == inter, "shared_expert: bad shapes");
+  auto xc = x.contiguous(), gu = gate_up.contiguous(), dn = down.contiguous();
+  auto h = at::empty({t, 2 * inter}, xc.options());
+  auto out = at::empty({t, out_dim}, xc.options());
+  const bool loops = t < kSkinnyRows;
+  std::vector<const float*> rows(loops ? t : 0);
+  if (loops) {
+    for (int64_t r = 0; r < t; ++r) rows[r] = xc.data_ptr<float>() + r * hidden;
+    small_gemm(rows.data(), t, gu.data_ptr<float>(), 2 * inter, hidden, h.data_ptr<float>(), 2 * inter);
+  } else {
+    at::mm_out(h, xc, gu.t());
+  }
+  const float lim = static_cast<float>(limit);
+  float* hp = h.data_ptr<float>();
+  for (int64_t r = 0; r < t; ++r) {  // into the gate half, which the down projection reads in place
+    float* hr = hp + r * 2 * inter;
+    for (int64_t j = 0; j < inter; ++j) {
+      const float gate = std::min(hr[j], lim), up = std::min(std::max(hr[inter + j], -lim), lim);
+      hr[j] = gate / (1.f + std::exp(-gate)) * up;
+    }
+  }
+  if (loops) {
+    for (int64_t r = 0; r < t; ++r) rows[r] = hp + r * 2 * inter;
+    small_gemm(rows.data(), t, dn.data_ptr<float>(), out_dim, inter, out.data_ptr<float>(), out_dim);
+  } else {
+    at::mm_out(out, h.narrow(1, 0, inter), dn.t());
+  }
+  return out;
+}
+
+// The (token, expert) pairs of `ids` [T, k] grouped by expert, in token order within each expert
+// (a stable counting sort, as argsort(stable=True)): pairs `order[start[e]..start[e+1])` are expert e's.
+struct ExpertGroups {
+  std::vector<int64_t> order, start;
+};
+
+ExpertGroups group_by_expert(const at::Tensor& ids, int64_t num_experts) {
+  auto flat = ids.flatten().to(at::kLong).contiguous();
+  const int64_t* id = flat.data_ptr<int64_t>();
+  const int64_t pairs = flat.numel();
+  ExpertGroups g{std::vector<int64_t>(pairs), std::vector<int64_t>(num_experts + 1, 0)};
+  for (int64_t i = 0; i < pairs; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < num_experts, "moe_experts: expert id out of range");
+    ++g.start[id[i] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) g.start[e + 1] += g.start[e];
+  std::vector<int64_t> fill(g.start.begin(), g.start.end() - 1);
+  for (int64_t i = 0; i < pairs; ++i) g.order[fill[id[i]]++] = i;
+  return g;
+}
+
+// Any dtype: per expert in use, the aten ops of Experts.forward on its rows (bit-equal to it).
+at::Tensor moe_experts_aten(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                            const ExpertGroups& g, int64_t k, const at::Tensor& weights, double limit) {
+  const int64_t num_experts = gate_up.size(0), inter = down.size(2);
+  auto out = at::zeros_like(x);
+  auto order = at::tensor(g.order, x.options().dtype(at::kLong));
+  auto tokens = at::floor_divide(order, k);
+  auto flat_weights = weights.flatten().index_select(0, order);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t count = g.start[e + 1] - g.start[e];
+    if (!count) continue;
+    auto rows = tokens.narrow(0, g.start[e], count);
+    auto h = at::linear(x.index_select(0, rows), gate_up[e]);
+    auto gate = h.narrow(-1, 0, inter), up = h.narrow(-1, inter, inter);
+    auto act = at::silu(gate.clamp_max(limit)) * up.clamp(-limit, limit);
+    auto y = at::linear(act, down[e]);
+    out.index_add_(0, rows, (y * flat_weights.narrow(0, g.start[e], count).unsqueeze(1)).to(out.scalar_type()));
+  }
+  return out;
+}
 
 // fp32 Experts.forward without the big gather and scatter: an expert's rows are copied into one
 // buffer (BLAS) or read in place (skinny), and each weighted output row is added to its token's row in
@@ -569,11 +828,10 @@ TORCH_LIBRARY(dsv4, m) {
   m.def("moe_experts(Tensor x, Tensor gate_up, Tensor down, Tensor ids, Tensor weights, float limit) "
         "-> Tensor");
   m.def("hc_post(Tensor post, Tensor comb, Tensor out, Tensor streams) -> Tensor");
-  m.def("compress_state(Tensor kv, Tensor gate, Tensor position_bias, Tensor positions, Tensor mask, "
-        "Tensor loc, Tensor(a!) state) -> Tensor");
   m.def("masked_put(Tensor(a!) pool, Tensor slots, Tensor rows, Tensor mask) -> ()");
   m.def("route(Tensor x, Tensor input_ids, Tensor weight, Tensor table, bool is_hash, int top_k, "
         "float scaling) -> (Tensor, Tensor)");
+  m.def("linear(Tensor x, Tensor weight) -> Tensor");
   m.def("shared_expert(Tensor x, Tensor gate_up, Tensor down, float limit) -> Tensor");
 }
 
@@ -585,8 +843,8 @@ TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
   m.impl("hc_pre", &hc_pre);
   m.impl("moe_experts", &moe_experts);
   m.impl("hc_post", &hc_post);
-  m.impl("compress_state", &compress_state);
   m.impl("masked_put", &masked_put);
   m.impl("route", &route);
+  m.impl("linear", &linear);
   m.impl("shared_expert", &shared_expert);
 }

@@ -109,11 +109,8 @@ class Indexer(Compressor):
         self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated index queries `[T, H, Di]` and head weights `[T, H]` (fp32) for all tokens."""
-        q = rotate_(self.unrotated_queries(q_residual), cos[:, None], sin[:, None])
-        return q, self.head_weights(self.scorer.weights_proj(x))
-
-    def unrotated_queries(self, q_residual: torch.Tensor) -> torch.Tensor:
-        return self.q_b_proj(q_residual).view(len(q_residual), self.num_heads, self.head_dim)
+        q = self.q_b_proj(q_residual).view(len(q_residual), self.num_heads, self.head_dim)
+        return rotate_(q, cos[:, None], sin[:, None]), self.head_weights(self.scorer.weights_proj(x))
 
     def head_weights(self, projected: torch.Tensor) -> torch.Tensor:
         """Per-head weights `[T, H]` (fp32) from `scorer.weights_proj`'s output."""

@@ -1,26 +1,27 @@
-"""The small ops of the decode step, in two implementations picked once per runner.
+"""The ops of the decode step, in three implementations picked once per runner.
 
 `TorchOps` is plain torch: the reference formulations, which a compiler fuses and a device graph
 captures (`for_compiler` picks the forms inductor fuses best over those with fewest eager ops).
 `KernelOps` runs the same math as `dsv4::` CPU kernels (`dsv4_engine.kernels`), one dispatch each:
-an eager CPU step pays ~5-10 us per dispatched op, and these are most of its ops (the mHC map with
-its Sinkhorn loop, RMS norms, RoPE). Under a compiler the kernels would only replace fused code
-with opaque calls, so compiled steps use `TorchOps`.
+an eager CPU step pays ~5-10 us per dispatched op whatever its size. `CompiledOps`, for a compiled
+CPU step, keeps the torch forms the compiler fuses and takes only the kernels that do less work or
+stream memory faster than anything it generates (projections, routed experts, compressors).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from dsv4_engine.attention.metadata import CompressMetadata
+from dsv4_engine.attention.paged_decode import NEG_INF, compress_decode, index_topk, paged_attend
 from dsv4_engine.model.attention import Dsv4Attention
-from dsv4_engine.model.compressor import Compressor
+from dsv4_engine.model.compressor import Compressor, Indexer
 from dsv4_engine.model.hyper import HyperConnection, expand
 from dsv4_engine.model.moe import MoE, Router
 from dsv4_engine.model.ops import RMSNorm, unweighted_rms_norm
 from dsv4_engine.model.packed import Packed
 from dsv4_engine.rope import rotate
-
-NEG_INF = float("-inf")
 
 
 def _per_row(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -34,6 +35,12 @@ class TorchOps:
         # `dsv4::moe_experts` (grouped by expert) for routed experts; under a compiler only where
         # the gathered forms would not do (B*k >= E), see `decode_step.moe_decode`.
         self.moe_kernel = moe_kernel
+
+    def linear(self, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return m(x)
+
+    def project(self, pack: Packed, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return pack(x)
 
     def norm(self, m: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return m(x)
@@ -124,10 +131,93 @@ class TorchOps:
         probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
         return torch.matmul(probs, keys)  # [B, H, D]
 
+    def compress(
+        self,
+        comp: Compressor,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        positions: torch.Tensor,
+        cm: CompressMetadata,
+        state: torch.Tensor,
+        rows: torch.Tensor,
+        sparse: bool,
+    ) -> None:
+        """Advance a compressor by each row's token (`paged_decode.compress_decode`)."""
+        compress_decode(comp, kv, gate, positions, cm, state, rows, self, sparse)
 
-class KernelOps(TorchOps):
+    def index_topk(
+        self,
+        indexer: Indexer,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        page_table: torch.Tensor,
+        visible: torch.Tensor,
+        page_size: int,
+    ) -> torch.Tensor:
+        """The indexer's compressed-row picks `[B, k]` (`paged_decode.index_topk`)."""
+        return index_topk(indexer, q, weights, keys, page_table, visible, page_size, self.for_compiler)
+
+    def paged_attend(
+        self,
+        attn: Dsv4Attention,
+        q: torch.Tensor,
+        swa: torch.Tensor,
+        swa_slots: torch.Tensor,
+        comp: torch.Tensor | None,
+        page_table: torch.Tensor,
+        rows: torch.Tensor | None,
+        visible: torch.Tensor | None,
+        page_size: int,
+    ) -> torch.Tensor:
+        """Attention over the window and compressed rows, from the pools (`paged_decode.paged_attend`)."""
+        return paged_attend(attn, q, swa, swa_slots, comp, page_table, rows, visible, page_size, self)
+
+
+class CompiledOps(TorchOps):
+    """`TorchOps` for a compiled CPU step, with the kernels a compiler does not beat: projections as a
+    skinny GEMM that streams each weight once at full bandwidth (MKL's at a few rows runs at about
+    half), routed experts likewise (`dsv4::moe_experts`), and compressors that pool only the rows
+    completing a block (the static torch form pools every row, every step). Each is one opaque call
+    in the compiled graph; fp32 only, other dtypes take the torch forms."""
+
+    def __init__(self, for_compiler: bool = True) -> None:
+        super().__init__(for_compiler=for_compiler, moe_kernel=True)
+
+    def linear(self, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.dsv4.linear(x, m.weight) if m.bias is None else m(x)
+
+    def project(self, pack: Packed, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.ops.dsv4.linear(x, pack.weight).split(pack.sizes, dim=-1)
+
+    def compress(
+        self,
+        comp: Compressor,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        positions: torch.Tensor,
+        cm: CompressMetadata,
+        state: torch.Tensor,
+        rows: torch.Tensor,
+        sparse: bool,
+    ) -> None:
+        cos, sin = comp.rope.tables()
+        norm = comp.kv_norm
+        if not _fp32(kv, gate, state, rows, comp.position_bias, cos, norm.weight):
+            return super().compress(comp, kv, gate, positions, cm, state, rows, sparse)
+        torch.ops.dsv4.compress_decode(
+            kv, gate, comp.position_bias, positions, cm.state_write_mask, cm.state_write_loc,
+            cm.state_read_start, cm.state_read_slots, cm.block_mask, cm.block_loc, cm.block_positions,
+            cos, sin, norm.weight, norm.eps, state, rows,
+        )  # fmt: skip
+
+
+class KernelOps(CompiledOps):
+    """Every op a kernel: the eager CPU step, one dispatch per op. The attention over the pools
+    (`index_topk`, `paged_attend`) as loops that read the pools in place (kernels/attention.cpp)."""
+
     def __init__(self) -> None:
-        super().__init__(for_compiler=False, moe_kernel=True)
+        super().__init__(for_compiler=False)
 
     def norm(self, m: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.dsv4.rms_norm(x, m.weight, m.eps)
@@ -149,18 +239,6 @@ class KernelOps(TorchOps):
         self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
     ) -> torch.Tensor:
         return torch.ops.dsv4.hc_post(post, comb, out, streams)
-
-    def compress_state(
-        self,
-        comp: Compressor,
-        kv: torch.Tensor,
-        gate: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        loc: torch.Tensor,
-        state: torch.Tensor,
-    ) -> torch.Tensor:
-        return torch.ops.dsv4.compress_state(kv, gate, comp.position_bias, positions, mask, loc, state)
 
     def masked_put(
         self, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
@@ -185,3 +263,41 @@ class KernelOps(TorchOps):
         self, attn: Dsv4Attention, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor
     ) -> torch.Tensor:
         return torch.ops.dsv4.sink_attention(q, keys, bias, attn.sinks, attn.scaling)
+
+    def index_topk(
+        self,
+        indexer: Indexer,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        page_table: torch.Tensor,
+        visible: torch.Tensor,
+        page_size: int,
+    ) -> torch.Tensor:
+        if not _fp32(q, weights, keys):
+            return super().index_topk(indexer, q, weights, keys, page_table, visible, page_size)
+        return torch.ops.dsv4.index_topk(
+            q, weights, keys, page_table, visible, indexer.ratio, page_size, indexer.softmax_scale, indexer.topk
+        )  # fmt: skip
+
+    def paged_attend(
+        self,
+        attn: Dsv4Attention,
+        q: torch.Tensor,
+        swa: torch.Tensor,
+        swa_slots: torch.Tensor,
+        comp: torch.Tensor | None,
+        page_table: torch.Tensor,
+        rows: torch.Tensor | None,
+        visible: torch.Tensor | None,
+        page_size: int,
+    ) -> torch.Tensor:
+        if not _fp32(q, swa, attn.sinks, *([comp] if comp is not None else [])):
+            return super().paged_attend(attn, q, swa, swa_slots, comp, page_table, rows, visible, page_size)
+        return torch.ops.dsv4.paged_attention(
+            q, swa, swa_slots, comp, page_table, rows, visible, attn.ratio or 1, page_size, attn.sinks, attn.scaling
+        )  # fmt: skip
+
+
+def _fp32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 for t in tensors)

@@ -28,16 +28,16 @@ def moe_decode(
     moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, ops: TorchOps, shared_pack: Packed | None = None
 ) -> torch.Tensor:
     """MoE with a static output shape. With `ops.moe_kernel`, `dsv4::moe_experts` groups the rows by
-    expert (two GEMMs per expert in use, any batch size) except under a compiler while B*k < E, where
-    the per-slot gathered matmuls below compile to fewer, faster kernels. Without it: gathered expert
-    weights while B*k < E, else every expert densely. `shared_pack`: the shared expert's gate and up
-    projections as one GEMM."""
+    expert (two GEMMs per expert in use, any batch size; a skinny GEMM that reads each picked
+    expert's weights once, also faster than what a compiler makes of the gathered forms). Without
+    it: gathered expert weights while B*k < E (per slot under a compiler, its best form there), else
+    every expert densely. `shared_pack`: the shared expert's gate and up projections as one GEMM."""
     weights, ids = ops.route(moe.gate, x, input_ids)  # [B, k]
     experts = moe.experts
     bsz, k = ids.shape
     num_experts, limit = experts.num_experts, experts.limit
     small, for_compiler = bsz * k < num_experts, ops.for_compiler
-    if ops.moe_kernel and not (for_compiler and small):
+    if ops.moe_kernel:
         routed = torch.ops.dsv4.moe_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, limit)
         return routed + ops.shared_expert(moe, x, shared_pack)
     if small and for_compiler:  # one gathered batched GEMV per slot: the compiler's best form here
@@ -95,4 +95,4 @@ def decode_logits(
         post, comb, collapsed = ops.hc_pre(layer.ffn_hc, streams)
         x = ops.norm(layer.post_attention_layernorm, collapsed)
         streams = ops.hc_post(post, comb, moe_decode(layer.mlp, x, input_ids, ops, shared_pack), streams)
-    return model.compute_logits(ops.norm(m.norm, m.hc_head(streams)))
+    return ops.linear(model.lm_head, ops.norm(m.norm, m.hc_head(streams))).float()  # compute_logits
