@@ -305,3 +305,19 @@ def test_disabled_runs_the_torch_code(model) -> None:
         assert not kernels.use_for(torch.device("cpu"))
         assert torch.equal(experts(x, weights, ids), experts.reference(x, weights, ids))
     assert kernels.use_for(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_projection_kernels_equal_torch(model, rows: int) -> None:
+    """`dsv4::linear` and `dsv4::grouped_linear` (the decode step's projections, a skinny GEMM under 32
+    rows, BLAS from there) against F.linear and GroupedLinear, on odd widths (a partial tile)."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(37, 100, generator=g), torch.randn(rows, 100, generator=g)
+    _close(torch.ops.dsv4.linear(x, w), torch.nn.functional.linear(x, w))
+    _close(
+        torch.ops.dsv4.linear(x[:, None], w), torch.nn.functional.linear(x[:, None], w)
+    )  # any leading dims
+    o_a = model.model.layers[0].self_attn.o_a_proj
+    grouped = torch.randn(rows, o_a.groups, o_a.in_features, generator=g)
+    with torch.no_grad():
+        _close(KernelOps().grouped_linear(o_a, grouped), o_a(grouped))

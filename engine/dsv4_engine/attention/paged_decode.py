@@ -190,7 +190,7 @@ def paged_decode_attention(
         attn, q, pools.swa[layer], meta.swa_slots, comp_pool, page_table, rows, visible, pools.page_size
     )
     out = ops.rotate(out, cos, sin, inverse=True)  # undo RoPE carried by V
-    return ops.linear(attn.o_b_proj, attn.o_a_proj(out.reshape(bsz, attn.o_groups, -1)))
+    return ops.linear(attn.o_b_proj, ops.grouped_linear(attn.o_a_proj, out.reshape(bsz, attn.o_groups, -1)))
 
 
 def index_topk(

@@ -116,6 +116,10 @@ def _register_fakes() -> None:
     def _(x, weight):  # type: ignore[no-untyped-def]
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
+    @torch.library.register_fake("dsv4::grouped_linear")
+    def _(x, weight):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], weight.shape[0])
+
     @torch.library.register_fake("dsv4::shared_expert")
     def _(x, gate_up, down, limit):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], down.shape[0])

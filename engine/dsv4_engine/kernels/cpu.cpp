@@ -471,6 +471,23 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   return out;
 }
 
+// attention.GroupedLinear: x [T, G, in] -> [T, G*R], group g through rows [g*R, (g+1)*R) of weight
+// (the block-diagonal output projection); small_gemm per group under kSkinnyRows fp32 rows.
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t t = x.size(0), groups = x.size(1), k = x.size(2), r = weight.size(0) / groups;
+  TORCH_CHECK(x.dim() == 3 && weight.size(1) == k && r * groups == weight.size(0), "grouped_linear: bad shapes");
+  if (x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || !x.is_contiguous() ||
+      !weight.is_contiguous() || t >= kSkinnyRows)
+    return at::bmm(x.transpose(0, 1), weight.view({groups, r, k}).transpose(1, 2)).transpose(0, 1).flatten(1);
+  auto out = at::empty({t, groups * r}, x.options());
+  std::vector<const float*> rows(t);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t i = 0; i < t; ++i) rows[i] = x.data_ptr<float>() + (i * groups + g) * k;
+    small_gemm(rows.data(), t, weight.data_ptr<float>() + g * r * k, r, k, out.data_ptr<float>() + g * r, groups * r);
+  }
+  return out;
+}
+
 at::Tensor shared_expert(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, double limit) {
   const bool fp32 = x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat &&
                     down.scalar_type() == at::kFloat && x.dim() == 2;
@@ -832,6 +849,7 @@ TORCH_LIBRARY(dsv4, m) {
   m.def("route(Tensor x, Tensor input_ids, Tensor weight, Tensor table, bool is_hash, int top_k, "
         "float scaling) -> (Tensor, Tensor)");
   m.def("linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("grouped_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("shared_expert(Tensor x, Tensor gate_up, Tensor down, float limit) -> Tensor");
 }
 
@@ -846,5 +864,6 @@ TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
   m.impl("masked_put", &masked_put);
   m.impl("route", &route);
   m.impl("linear", &linear);
+  m.impl("grouped_linear", &grouped_linear);
   m.impl("shared_expert", &shared_expert);
 }

@@ -15,7 +15,7 @@ from torch import nn
 
 from dsv4_engine.attention.metadata import CompressMetadata
 from dsv4_engine.attention.paged_decode import NEG_INF, compress_decode, index_topk, paged_attend
-from dsv4_engine.model.attention import Dsv4Attention
+from dsv4_engine.model.attention import Dsv4Attention, GroupedLinear
 from dsv4_engine.model.compressor import Compressor, Indexer
 from dsv4_engine.model.hyper import HyperConnection, expand
 from dsv4_engine.model.moe import MoE, Router
@@ -41,6 +41,9 @@ class TorchOps:
 
     def project(self, pack: Packed, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return pack(x)
+
+    def grouped_linear(self, m: GroupedLinear, x: torch.Tensor) -> torch.Tensor:
+        return m(x)
 
     def norm(self, m: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return m(x)
@@ -177,7 +180,7 @@ class TorchOps:
 class CompiledOps(TorchOps):
     """`TorchOps` for a compiled CPU step, with the kernels a compiler does not beat: projections as a
     skinny GEMM that streams each weight once at full bandwidth (MKL's at a few rows runs at about
-    half), routed experts likewise (`dsv4::moe_experts`), and compressors that pool only the rows
+    half), routed and shared experts likewise, and compressors that pool only the rows
     completing a block (the static torch form pools every row, every step). Each is one opaque call
     in the compiled graph; fp32 only, other dtypes take the torch forms."""
 
@@ -189,6 +192,15 @@ class CompiledOps(TorchOps):
 
     def project(self, pack: Packed, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.ops.dsv4.linear(x, pack.weight).split(pack.sizes, dim=-1)
+
+    def grouped_linear(self, m: GroupedLinear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.dsv4.grouped_linear(x, m.weight)
+
+    def shared_expert(self, moe: MoE, x: torch.Tensor, pack: Packed | None) -> torch.Tensor:
+        if pack is None:
+            return moe.shared_experts(x)
+        down = moe.shared_experts.down_proj.weight
+        return torch.ops.dsv4.shared_expert(x, pack.weight, down, moe.shared_experts.limit)
 
     def compress(
         self,
@@ -252,12 +264,6 @@ class KernelOps(CompiledOps):
         return torch.ops.dsv4.route(
             x, input_ids, router.weight, table, router.is_hash, router.top_k, router.scaling
         )
-
-    def shared_expert(self, moe: MoE, x: torch.Tensor, pack: Packed | None) -> torch.Tensor:
-        if pack is None:
-            return moe.shared_experts(x)
-        down = moe.shared_experts.down_proj.weight
-        return torch.ops.dsv4.shared_expert(x, pack.weight, down, moe.shared_experts.limit)
 
     def attend(
         self, attn: Dsv4Attention, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor
