@@ -71,9 +71,11 @@ class DecodeGraphRunner:
         kernels: bool | None = None,
         trim: bool | None = None,
     ) -> None:
-        """skip_guards (compiled mode): after a bucket's first call, evaluate only the guards that
-        tell buckets apart (`set_stance(skip_guard_eval_unsafe=True)`); every input is static by
-        construction, and full guard evaluation costs about as much as a fifth of the step.
+        """skip_guards (compiled mode): after a bucket's first call (compiled, or loaded from the
+        cache, under dynamo's full guards), replay its compiled graph directly on the tensors dynamo
+        passed it, as a device graph is replayed: every input is a static buffer by construction
+        (weights, pools, the bucket's buffers), and dynamo's guards and input gathering cost about a
+        fifth of the step.
         kernels: use the fused `dsv4::` CPU kernels (default: when built and the model is on CPU).
         trim (eager only; default: eager): gather compressed keys from the step's longest context
         and pool only completed blocks (host reads; `paged_decode_attention`)."""
@@ -218,29 +220,33 @@ class DecodeGraphRunner:
         if self.mode == "eager":
             return eager
         if self.mode == "compiled":
-            compiled = torch.compile(eager, backend=self._counting_backend(), fullgraph=True, dynamic=False)
+            graph: list = []  # [compiled graph, the tensors dynamo passed it], once compiled
+            backend = self._counting_backend(graph)
+            compiled = torch.compile(eager, backend=backend, fullgraph=True, dynamic=False)
             if not self.skip_guards:
                 return compiled
-            first = [True]
 
             def replay() -> torch.Tensor:
-                if first[0]:  # compile (or load from the cache) under full guards
-                    first[0] = False
+                if not graph:  # compile (or load from the cache) under full guards
                     return compiled()
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return compiled()
+                fn, inputs = graph
+                return fn(*inputs)[0]
 
             return replay
         return self._capture(bs, eager)
 
-    def _counting_backend(self) -> Callable:
+    def _counting_backend(self, graph: list) -> Callable:
+        """Inductor, counting compiles; leaves `[compiled graph, its inputs]` in `graph`."""
+
         def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
             from torch._inductor.compile_fx import compile_fx
 
             self.num_compiles += 1
             # A C++ wrapper launches the step's ~150 kernels and BLAS calls without Python between
             # them: ~45% off a batch-1 step here. Patched for this graph only, not process-wide.
-            return compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True})
+            fn = compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True})
+            graph[:] = [fn, list(example_inputs)]
+            return fn
 
         return backend
 
