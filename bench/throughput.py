@@ -2,7 +2,7 @@
 
     python bench/throughput.py                 # small preset, 64 requests x 128 tokens, prompts 256..1024
     python bench/throughput.py --quick         # 16 requests x 32 tokens, HF on 2
-    python bench/throughput.py --model PATH --threads 2
+    python bench/throughput.py --model PATH --threads 1   # default: every core this process may use
 
 Prints one table:
 - generated tokens/s of the whole workload (all requests submitted at once, prefill included)
@@ -172,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-requests", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (OMP_NUM_THREADS)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch intra-op threads, the engine's and HF's alike (default: every core this process may use, "
+        "as a server would)",
+    )
     p.add_argument("--peak-size", type=int, default=2048, help="n of the n x n x n fp32 peak matmul")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="16 requests x 32 tokens, prompts 256..512, HF on 2")
