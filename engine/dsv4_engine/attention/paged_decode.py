@@ -18,7 +18,8 @@ substitute the fresh values), so a compiler updates the pools in place instead o
 4. Softmax over [window | compressed | sink] per head, as `Dsv4Attention._attend`.
 
 Steps 2-4 go through the ops object (`ops.compress`, `ops.index_topk`, `ops.paged_attend`): the
-torch forms here are what a compiler fuses and a device graph captures; `KernelOps` (the eager CPU
+torch forms here (`compress_decode`, `index_topk`, `paged_attend`, ops first: they are `TorchOps`'
+methods) are what a compiler fuses and a device graph captures; `KernelOps` (the eager CPU
 step) runs them as loops over the pools in place (`kernels/attention.cpp`), ~40 fewer dispatched
 ops a layer.
 """
@@ -75,6 +76,7 @@ def gather_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def compress_decode(
+    ops: TorchOps,
     comp: Compressor,
     kv: torch.Tensor,
     gate: torch.Tensor,
@@ -82,7 +84,6 @@ def compress_decode(
     cm: CompressMetadata,
     state: torch.Tensor,
     rows_pool: torch.Tensor,
-    ops: TorchOps,
     sparse: bool = False,
 ) -> None:
     """Advance one compressor by one token per row (`kv`, `gate`: its projections of the input,
@@ -194,6 +195,7 @@ def paged_decode_attention(
 
 
 def index_topk(
+    ops: TorchOps,
     indexer: Indexer,
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -201,7 +203,6 @@ def index_topk(
     page_table: torch.Tensor,
     visible: torch.Tensor,
     page_size: int,
-    by_keys: bool,
 ) -> torch.Tensor:
     """The compressed rows `[B, k]` each row's indexer picks: top-k of `sum_h w_h * relu(q_h . key_j)`
     over every indexer row of the table (rows j >= visible score -inf); `q [B, H, Di]` rotated,
@@ -212,10 +213,11 @@ def index_topk(
     scores = (scores * weights[:, :, None]).sum(dim=1)  # [B, N]
     rows = torch.arange(slots.shape[1], device=q.device)[None, :]
     scores = scores.masked_fill(rows >= visible[:, None], NEG_INF)
-    return _stable_topk(scores, min(indexer.topk, slots.shape[1]), by_keys)
+    return _stable_topk(scores, min(indexer.topk, slots.shape[1]), ops.for_compiler)
 
 
 def paged_attend(
+    ops: TorchOps,
     attn: Dsv4Attention,
     q: torch.Tensor,
     swa: torch.Tensor,
@@ -225,7 +227,6 @@ def paged_attend(
     rows: torch.Tensor | None,
     visible: torch.Tensor | None,
     page_size: int,
-    ops: TorchOps,
 ) -> torch.Tensor:
     """Softmax over [window | compressed | sink] per head, `q [B, H, D]` -> `[B, H, D]`: the window
     `swa[swa_slots]` (-1 masked) and, with a compressor, compressed rows `rows [B, k]` (CSA's picks)

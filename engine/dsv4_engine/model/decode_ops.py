@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4_engine.attention import paged_decode
 from dsv4_engine.attention.metadata import CompressMetadata
-from dsv4_engine.attention.paged_decode import NEG_INF, compress_decode, index_topk, paged_attend
+from dsv4_engine.attention.paged_decode import NEG_INF
 from dsv4_engine.model.attention import Dsv4Attention, GroupedLinear
 from dsv4_engine.model.compressor import Compressor, Indexer
 from dsv4_engine.model.hyper import HyperConnection, expand
@@ -134,47 +135,10 @@ class TorchOps:
         probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
         return torch.matmul(probs, keys)  # [B, H, D]
 
-    def compress(
-        self,
-        comp: Compressor,
-        kv: torch.Tensor,
-        gate: torch.Tensor,
-        positions: torch.Tensor,
-        cm: CompressMetadata,
-        state: torch.Tensor,
-        rows: torch.Tensor,
-        sparse: bool,
-    ) -> None:
-        """Advance a compressor by each row's token (`paged_decode.compress_decode`)."""
-        compress_decode(comp, kv, gate, positions, cm, state, rows, self, sparse)
-
-    def index_topk(
-        self,
-        indexer: Indexer,
-        q: torch.Tensor,
-        weights: torch.Tensor,
-        keys: torch.Tensor,
-        page_table: torch.Tensor,
-        visible: torch.Tensor,
-        page_size: int,
-    ) -> torch.Tensor:
-        """The indexer's compressed-row picks `[B, k]` (`paged_decode.index_topk`)."""
-        return index_topk(indexer, q, weights, keys, page_table, visible, page_size, self.for_compiler)
-
-    def paged_attend(
-        self,
-        attn: Dsv4Attention,
-        q: torch.Tensor,
-        swa: torch.Tensor,
-        swa_slots: torch.Tensor,
-        comp: torch.Tensor | None,
-        page_table: torch.Tensor,
-        rows: torch.Tensor | None,
-        visible: torch.Tensor | None,
-        page_size: int,
-    ) -> torch.Tensor:
-        """Attention over the window and compressed rows, from the pools (`paged_decode.paged_attend`)."""
-        return paged_attend(attn, q, swa, swa_slots, comp, page_table, rows, visible, page_size, self)
+    # Attention over the pools: the torch forms themselves (attention/paged_decode.py, ops first).
+    compress = paged_decode.compress_decode
+    index_topk = paged_decode.index_topk
+    paged_attend = paged_decode.paged_attend
 
 
 class CompiledOps(TorchOps):
