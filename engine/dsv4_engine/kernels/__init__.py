@@ -30,13 +30,14 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp"))
+HEADERS = (Path(__file__).with_name("simd.h"),)
 CFLAGS = ("-O3",)
 _state: dict[str, bool] = {}
 
 
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    sources = b"".join(path.read_bytes() for path in SOURCES)
+    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(CFLAGS).encode())
     return Path(base) / "dsv4" / "kernels" / key.hexdigest()[:16]
 

@@ -8,9 +8,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #include <algorithm>
 #include <initializer_list>
@@ -76,14 +74,6 @@ void weighted_sum_scalar(const float* const* keys, const float* p, int64_t strid
 }
 
 #if defined(__x86_64__)
-#define DSV4_AVX2 __attribute__((target("avx2,fma")))
-
-DSV4_AVX2 inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // HB heads at once: each key vector is loaded once for all of them.
 template <int HB>
@@ -94,7 +84,7 @@ DSV4_AVX2 void head_dots_block(const float* q, const float* key, int64_t d, floa
     const __m256 k = _mm256_loadu_ps(key + i);
     for (int h = 0; h < HB; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), k, acc[h]);
   }
-  for (int h = 0; h < HB; ++h) out[h] = hsum8(acc[h]);
+  for (int h = 0; h < HB; ++h) out[h] = dsv4::hsum(acc[h]);
 }
 
 DSV4_AVX2 void head_dots_avx2(const float* q, int64_t heads, const float* key, int64_t d, float* out) {
@@ -133,8 +123,7 @@ struct Loops {
 // The AVX2 forms need d % 8 == 0 (every DSV4 head width is).
 Loops loops_for(int64_t d) {
 #if defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2 && d % 8 == 0) return {head_dots_avx2, weighted_sum_avx2};
+  if (dsv4::has_avx2_fma() && d % 8 == 0) return {head_dots_avx2, weighted_sum_avx2};
 #endif
   return {head_dots_scalar, weighted_sum_scalar};
 }

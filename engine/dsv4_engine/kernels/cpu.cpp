@@ -10,9 +10,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #include <algorithm>
 #include <cstring>
@@ -101,14 +99,7 @@ void hc_rows(const T* streams, const float* mixes, const float* base, const floa
 // stream overlaps the arithmetic (~30% off a decode step's experts, whose weights never fit in
 // cache). Every output is the same sum in the same order whatever the number of rows, so a row's
 // result does not depend on its batch (MKL's kernel choice depends on M).
-#define DSV4_AVX2 __attribute__((target("avx2,fma")))
-
-DSV4_AVX2 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using dsv4::hsum;
 
 // Lines of the next weight tile still to prefetch: [next, end).
 struct Prefetch {
@@ -164,10 +155,7 @@ void skinny_gemm(const float* const* x, int64_t m, const float* w, int64_t n, in
   for (int64_t j = tiles * NB; j < n; ++j) skinny_rows<1>(x, m, w + j * k, k, y + j, ldy, w_end);
 }
 
-bool skinny_supported() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
+bool skinny_supported() { return dsv4::has_avx2_fma(); }
 
 #endif
 
