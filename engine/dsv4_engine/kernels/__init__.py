@@ -1,10 +1,13 @@
 """Fused CPU kernels for the decode step: `torch.ops.dsv4.*` (mHC, routed experts, norms, RoPE, the
 decode metadata fill, and attention over the paged pools).
 
-Eager torch pays a Python dispatch per op (5-10 us on these machines); the mHC Sinkhorn alone is ~80
-ops per sub-block. `cpu.cpp` runs the same aten sequences from C++ and the 4x4 Sinkhorn as plain
-loops, one dispatch per kernel; `attention.cpp` reads the pools in place for a layer's compressors,
-indexer top-k and attention, instead of ~50 gathers, masks and concatenations. It is built with torch's C++ extension tooling on first use into
+Eager torch pays a Python dispatch per op (5-10 us on these machines), and an aten op called from
+C++ still pays its own setup (~5 us); the mHC Sinkhorn alone is ~80 ops per sub-block. So at decode
+sizes the kernels are plain fp32 loops, one dispatch each: `cpu.cpp` for mHC, norms, RoPE, the
+router, experts and projections (a skinny AVX2 GEMM), `attention.cpp` for a layer's compressors,
+indexer top-k and attention, reading the pools in place instead of ~50 gathers, masks and
+concatenations. Other dtypes, and many rows where BLAS wins, run the aten ops. It is built with
+torch's C++ extension tooling on first use into
 `$XDG_CACHE_HOME/dsv4/kernels/<hash>` (the hash covers the sources, torch's version and the compiler
 flags), so a second process only loads the shared library. Each op has a fake (meta) implementation,
 so `torch.compile` keeps it as one opaque call.
@@ -30,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp"))
-HEADERS = (Path(__file__).with_name("simd.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("rows.h", "simd.h"))
 CFLAGS = ("-O3",)
 _state: dict[str, bool] = {}
 

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "rows.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -164,7 +165,7 @@ void compress_decode(const at::Tensor& kv, const at::Tensor& gate, const at::Ten
   const float *kvp = kv.data_ptr<float>(), *gp = gate.data_ptr<float>(), *pb = position_bias.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>(), *nw = norm_weight.data_ptr<float>();
   float *st = state.data_ptr<float>(), *out = rows.data_ptr<float>();
-  std::vector<float> own(2 * half), pooled(d), mx(d), sum(d);
+  std::vector<float> own(2 * half), pooled(d), mx(d), sum(d), e(width * d);
   std::vector<const float*> win(width);
   for (int64_t b = 0; b < bsz; ++b) {
     const int64_t p = pos[b];
@@ -193,25 +194,17 @@ void compress_decode(const at::Tensor& kv, const at::Tensor& gate, const at::Ten
     std::fill(sum.begin(), sum.end(), 0.f);
     for (int64_t c = 0; c < width; ++c) {
       const float* s = win[c] + half + offset(c);
-      for (int64_t i = 0; i < d; ++i) sum[i] += std::exp(s[i] - mx[i]);
+      float* ec = e.data() + c * d;
+      for (int64_t i = 0; i < d; ++i) sum[i] += (ec[i] = std::exp(s[i] - mx[i]));
     }
     std::fill(pooled.begin(), pooled.end(), 0.f);
     for (int64_t c = 0; c < width; ++c) {
-      const float *s = win[c] + half + offset(c), *v = win[c] + offset(c);
-      for (int64_t i = 0; i < d; ++i) pooled[i] += v[i] * (std::exp(s[i] - mx[i]) / sum[i]);
+      const float *v = win[c] + offset(c), *ec = e.data() + c * d;
+      for (int64_t i = 0; i < d; ++i) pooled[i] += v[i] * (ec[i] / sum[i]);
     }
-    float ss = 0.f;
-    for (int64_t i = 0; i < d; ++i) ss += pooled[i] * pooled[i];
-    const float scale = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(norm_eps));
     float* o = out + bloc[b] * d;
-    for (int64_t i = 0; i < d; ++i) o[i] = nw[i] * (pooled[i] * scale);
-    const float *ci = cp + bpos[b] * rd, *si = sp + bpos[b] * rd;
-    float* oq = o + d - rd;
-    for (int64_t j = 0; j < rd; j += 2) {  // interleaved pairs, as rope.rotate
-      const float a = oq[j], e = oq[j + 1];
-      oq[j] = a * ci[j] + -e * si[j];
-      oq[j + 1] = e * ci[j + 1] + a * si[j + 1];
-    }
+    dsv4::rms_norm_row(pooled.data(), nw, o, d, static_cast<float>(norm_eps));
+    dsv4::rotate_pairs(o + d - rd, cp + bpos[b] * rd, sp + bpos[b] * rd, 1.f, rd, o + d - rd);
   }
 }
 

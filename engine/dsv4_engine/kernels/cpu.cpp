@@ -10,6 +10,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include "rows.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -168,37 +169,29 @@ constexpr int64_t kSkinnyRows = 32;
 // of rows over threads, so those keep it.
 constexpr int64_t kHcLoopRows = 32;
 
-// y[i, j] = dot(x_i, w_j) for m rows against w [n, k]: skinny_gemm where AVX2 is there, else loops
-// with 8 independent partial sums (gcc -O3 vectorises those without reassociating a float sum).
+// dot(a, b) in 8 independent partial sums (gcc -O3 vectorises those without reassociating a float sum).
+float dot8(const float* a, const float* b, int64_t k) {
+  const int64_t k8 = k & ~int64_t(7);
+  float acc[8] = {};
+  for (int64_t c = 0; c < k8; c += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[c + l] * b[c + l];
+  float s = 0.f;
+  for (int l = 0; l < 8; ++l) s += acc[l];
+  for (int64_t c = k8; c < k; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// y[i, j] = dot(x_i, w_j) for m rows against w [n, k]: skinny_gemm where AVX2 is there, else dot8.
 void small_gemm(const float* const* x, int64_t m, const float* w, int64_t n, int64_t k, float* y, int64_t ldy) {
 #if defined(__x86_64__)
   if (skinny_supported()) return skinny_gemm(x, m, w, n, k, y, ldy);
 #endif
-  const int64_t k8 = k & ~int64_t(7);
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) {
-      const float *xi = x[i], *wj = w + j * k;
-      float acc[8] = {};
-      for (int64_t c = 0; c < k8; c += 8)
-        for (int l = 0; l < 8; ++l) acc[l] += xi[c + l] * wj[c + l];
-      float s = 0.f;
-      for (int l = 0; l < 8; ++l) s += acc[l];
-      for (int64_t c = k8; c < k; ++c) s += xi[c] * wj[c];
-      y[i * ldy + j] = s;
-    }
+    for (int64_t j = 0; j < n; ++j) y[i * ldy + j] = dot8(x[i], w + j * k, k);
 }
 
 // The RMS norm's sum of squares, in 8 partial sums as small_gemm.
-float sum_squares(const float* x, int64_t k) {
-  const int64_t k8 = k & ~int64_t(7);
-  float acc[8] = {};
-  for (int64_t c = 0; c < k8; c += 8)
-    for (int l = 0; l < 8; ++l) acc[l] += x[c + l] * x[c + l];
-  float s = 0.f;
-  for (int l = 0; l < 8; ++l) s += acc[l];
-  for (int64_t c = k8; c < k; ++c) s += x[c] * x[c];
-  return s;
-}
+float sum_squares(const float* x, int64_t k) { return dot8(x, x, k); }
 
 // t itself when already contiguous fp32: a dispatched to() costs ~1 us even when it returns t.
 at::Tensor f32c(const at::Tensor& t) {
@@ -639,22 +632,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, const at:
 // unweighted_rms_norm (no weight: the fp32 scale cast to x's dtype, then the product in x's dtype).
 template <typename T>
 void rms_norm_rows(const T* x, const float* w, T* out, int64_t rows, int64_t d, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * d;
-    T* o = out + r * d;
-    float ss = 0.f;
-    for (int64_t i = 0; i < d; ++i) {
-      const float v = static_cast<float>(xr[i]);
-      ss += v * v;
-    }
-    const float scale = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-    if (w) {
-      for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(w[i] * (static_cast<float>(xr[i]) * scale));
-    } else {
-      const float s = static_cast<float>(static_cast<T>(scale));
-      for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(static_cast<float>(xr[i]) * s);
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) dsv4::rms_norm_row(x + r * d, w, out + r * d, d, eps);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps) {
@@ -695,16 +673,7 @@ at::Tensor rope_rotate(const at::Tensor& x, const at::Tensor& cos, const at::Ten
         const scalar_t* xr = xp + (i * mid + m) * d;
         scalar_t* o = op + (i * mid + m) * d;
         for (int64_t j = 0; j < d - rd; ++j) o[j] = xr[j];
-        const scalar_t* xq = xr + d - rd;
-        scalar_t* oq = o + d - rd;
-        for (int64_t j = 0; j < rd; j += 2) {
-          const float a = static_cast<float>(xq[j]), e = static_cast<float>(xq[j + 1]);
-          const float s0 = sign * si[j], s1 = sign * si[j + 1];
-          const float p0 = a * ci[j], q0 = -e * s0;  // (rope * cos) + (swapped * sin), two roundings
-          const float p1 = e * ci[j + 1], q1 = a * s1;
-          oq[j] = static_cast<scalar_t>(p0 + q0);
-          oq[j + 1] = static_cast<scalar_t>(p1 + q1);
-        }
+        dsv4::rotate_pairs(xr + d - rd, ci, si, sign, rd, o + d - rd);
       }
     }
   });
