@@ -92,10 +92,18 @@ def compress_decode(
     sparse: pool only the rows that complete a block (one in `ratio` per step on average; at ratio 128
     the static form gathers and softmaxes 128 state rows for every row, every step). It reads
     `block_mask` back to the host, so only the eager step may ask for it."""
-    # Write before read (so a compiler updates the pool in place instead of copying it). The read
-    # below never sees the sentinel masked rows write: columns at or after the token's position are
-    # slot 0 there.
-    own = ops.compress_state(comp, kv, gate, positions, cm.state_write_mask, cm.state_write_loc, state)
+    half = comp.coff * comp.head_dim
+    score = gate + comp.position_bias.index_select(0, positions % comp.ratio)
+    own = torch.cat([kv.to(state.dtype), score.to(state.dtype)], dim=-1)  # [B, 2*coff*D]
+    # Write before read (so a compiler updates the pool in place instead of copying it): the token's
+    # state row goes to its slot; masked rows rewrite the state sentinel (kv 0, score -inf) into slot 0.
+    # The read below never sees it: columns at or after the token's position are slot 0 there.
+    keep = cm.state_write_mask[:, None]
+    sentinel_score = torch.full_like(own[:, half:], NEG_INF)
+    masked = torch.cat(
+        [torch.where(keep, own[:, :half], 0.0), torch.where(keep, own[:, half:], sentinel_score)], dim=-1
+    )
+    state.index_put_((torch.where(cm.state_write_mask, cm.state_write_loc, 0),), masked)
     if not sparse:
         row = _pool(comp, own, positions, cm.state_read_start, cm.state_read_slots, state, kv.dtype, ops)
         cos, sin = comp.rope.lookup(cm.block_positions)

@@ -15,7 +15,6 @@ from torch import nn
 
 from dsv4_engine.attention import paged_decode
 from dsv4_engine.attention.metadata import CompressMetadata
-from dsv4_engine.attention.paged_decode import NEG_INF
 from dsv4_engine.model.attention import Dsv4Attention, GroupedLinear
 from dsv4_engine.model.compressor import Compressor, Indexer
 from dsv4_engine.model.hyper import HyperConnection, expand
@@ -31,11 +30,12 @@ def _per_row(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class TorchOps:
-    def __init__(self, for_compiler: bool = False, moe_kernel: bool = False) -> None:
+    # Routed experts by `dsv4::moe_experts` (grouped by expert) instead of the torch forms in
+    # `decode_step.moe_decode`.
+    moe_kernel = False
+
+    def __init__(self, for_compiler: bool = False) -> None:
         self.for_compiler = for_compiler
-        # `dsv4::moe_experts` (grouped by expert) for routed experts; under a compiler only where
-        # the gathered forms would not do (B*k >= E), see `decode_step.moe_decode`.
-        self.moe_kernel = moe_kernel
 
     def linear(self, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return m(x)
@@ -85,29 +85,6 @@ class TorchOps:
     ) -> torch.Tensor:
         return expand(post, comb, out, streams)
 
-    def compress_state(
-        self,
-        comp: Compressor,
-        kv: torch.Tensor,
-        gate: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        loc: torch.Tensor,
-        state: torch.Tensor,
-    ) -> torch.Tensor:
-        """The token's compressor state row `[kv | gate + position bias]` (returned), written to its
-        slot `loc` where `mask`; masked rows rewrite the state sentinel (kv 0, score -inf) into slot 0."""
-        half = kv.shape[-1]
-        score = gate + comp.position_bias.index_select(0, positions % comp.ratio)
-        own = torch.cat([kv.to(state.dtype), score.to(state.dtype)], dim=-1)  # [B, 2*coff*D]
-        keep = mask[:, None]
-        sentinel_score = torch.full_like(own[:, half:], NEG_INF)
-        masked = torch.cat(
-            [torch.where(keep, own[:, :half], 0.0), torch.where(keep, own[:, half:], sentinel_score)], dim=-1
-        )
-        state.index_put_((torch.where(mask, loc, 0),), masked)
-        return own
-
     def masked_put(
         self, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
     ) -> None:
@@ -148,8 +125,10 @@ class CompiledOps(TorchOps):
     completing a block (the static torch form pools every row, every step). Each is one opaque call
     in the compiled graph; fp32 only, other dtypes take the torch forms."""
 
+    moe_kernel = True
+
     def __init__(self, for_compiler: bool = True) -> None:
-        super().__init__(for_compiler=for_compiler, moe_kernel=True)
+        super().__init__(for_compiler=for_compiler)
 
     def linear(self, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.dsv4.linear(x, m.weight) if m.bias is None else m(x)
@@ -265,7 +244,7 @@ class KernelOps(CompiledOps):
         if not _fp32(q, swa, attn.sinks, *([comp] if comp is not None else [])):
             return super().paged_attend(attn, q, swa, swa_slots, comp, page_table, rows, visible, page_size)
         return torch.ops.dsv4.paged_attention(
-            q, swa, swa_slots, comp, page_table, rows, visible, attn.ratio or 1, page_size, attn.sinks, attn.scaling
+            q, swa, swa_slots, comp, page_table, rows, visible, attn.ratio, page_size, attn.sinks, attn.scaling
         )  # fmt: skip
 
 
