@@ -1,4 +1,9 @@
-"""`dsv4 serve` as a process: SIGTERM drains (503 for new work, in-flight completes) and exits 0."""
+"""`dsv4 serve` as a process: SIGTERM drains (503 for new work, in-flight completes) and exits 0.
+
+The in-flight request is held open by pausing the engine between steps (the DSV4_TEST_HOOKS routes),
+so the draining server is probed while the request is certainly unfinished, however fast or loaded
+the machine is; resuming lets it run to its end.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from typing import Any
 
 import httpx
 
-TOKENS = 48  # long enough to still be running while the test probes the draining server
+TOKENS = 48
 NAME = "tiny"
 
 
@@ -23,9 +28,9 @@ def _dsv4() -> list[str]:
 
 def test_sigterm_drains_then_exits_zero(tiny_checkpoint: Path, tmp_path: Path, port: int, until: Any) -> None:
     log_path = tmp_path / "serve.log"
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "DSV4_TEST_HOOKS": "1"}
     cmd = [*_dsv4(), "serve", "--model", str(tiny_checkpoint), "--served-model-name", NAME]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--grace-period", "120"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--grace-period", "300"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -39,8 +44,8 @@ def test_sigterm_drains_then_exits_zero(tiny_checkpoint: Path, tmp_path: Path, p
                 return False
 
         until(healthy, 180, "dsv4 serve to become healthy")
-        first_chunk = threading.Event()
-        result: dict[str, Any] = {"text": "", "events": []}
+        assert httpx.post(f"{base}/debug/pause", timeout=120).json()["paused"]
+        result: dict[str, Any] = {"events": []}
 
         def in_flight() -> None:
             body = {
@@ -52,21 +57,23 @@ def test_sigterm_drains_then_exits_zero(tiny_checkpoint: Path, tmp_path: Path, p
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
-            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
                 result["status"] = r.status_code
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         result["events"].append(line[6:])
-                        first_chunk.set()
 
         worker = threading.Thread(target=in_flight)
         worker.start()
-        assert first_chunk.wait(120), "the in-flight request never started streaming"
+        until(
+            lambda: httpx.get(f"{base}/debug/state", timeout=5).json()["open"] == 1,
+            60,
+            "the request to reach the engine",
+        )
         proc.send_signal(signal.SIGTERM)
-
         until(
             lambda: httpx.get(f"{base}/health", timeout=5).status_code == 503,
-            30,
+            60,
             "/health to report draining",
         )
         assert httpx.get(f"{base}/health").json()["status"] == "draining"
@@ -75,9 +82,11 @@ def test_sigterm_drains_then_exits_zero(tiny_checkpoint: Path, tmp_path: Path, p
         )
         assert refused.status_code == 503
         assert refused.headers["Retry-After"]
-        assert worker.is_alive(), "the in-flight request ended before the draining server was probed"
+        assert worker.is_alive(), "the in-flight request ended while the engine was paused"
+        assert proc.poll() is None, "the server exited with a request in flight"
 
-        worker.join(300)
+        httpx.post(f"{base}/debug/resume", timeout=10).raise_for_status()
+        worker.join(600)
         assert result["status"] == 200 and result["events"][-1] == "[DONE]"
         usage = json.loads(result["events"][-2])["usage"]
         assert usage["completion_tokens"] == TOKENS  # it ran to the end, not aborted

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from dsv4_engine.server import openai_routes, sglang_routes
+from dsv4_engine.server import openai_routes, sglang_routes, test_hooks
 from dsv4_engine.server.args import ServerSettings
 from dsv4_engine.server.errors import install_handlers
 from dsv4_engine.server.generation import GenSpec, Lease, outcomes, sampling_params, start
@@ -132,6 +132,8 @@ def create_app(
     app.add_middleware(ServingMiddleware, api_key=settings.api_key)
     app.include_router(openai_routes.router)
     app.include_router(sglang_routes.router)
+    if test_hooks.enabled():
+        app.include_router(test_hooks.router)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:

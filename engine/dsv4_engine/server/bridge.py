@@ -85,6 +85,10 @@ class EngineBridge:
         self._snapshot: dict[str, float] = {}
         self.dead: BaseException | None = None
         self.steps = 0
+        # Test hook (server/test_hooks.py): while paused the thread applies commands but runs no step,
+        # so a test can hold a request in flight for as long as it needs, independent of speed.
+        self._paused = False
+        self._idle_paused = threading.Event()
 
     # ---- loop side -------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -138,6 +142,19 @@ class EngineBridge:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def pause(self, timeout: float = 60.0) -> bool:
+        """Stop stepping after the current step; True once the engine thread is between steps."""
+        with self._cond:
+            self._paused = True
+            self._idle_paused.clear()
+            self._cond.notify()
+        return self._idle_paused.wait(timeout)
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
 
     def _deliver(self, outputs: list[Any], now: float) -> None:
         for out in outputs:
@@ -199,7 +216,9 @@ class EngineBridge:
         engine = self.engine
         while True:
             with self._cond:
-                while not self._stop and not self._commands and not engine.has_unfinished():
+                while not self._stop and not self._commands and (self._paused or not engine.has_unfinished()):
+                    if self._paused:
+                        self._idle_paused.set()
                     self._cond.wait()
                 # Apply under the lock so waiting() never misses a request between here and the engine.
                 while self._commands:
@@ -212,6 +231,9 @@ class EngineBridge:
                 self._refresh_snapshot()
                 if self._stop:
                     return
+                if self._paused:
+                    self._idle_paused.set()
+                    continue
             if not engine.has_unfinished():
                 continue
             started = time.perf_counter()

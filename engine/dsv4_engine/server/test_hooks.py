@@ -1,0 +1,54 @@
+"""Routes that let tests hold work open deterministically; mounted only when DSV4_TEST_HOOKS=1.
+
+A test that needs a request still in flight (a drain, a disconnect, a transfer killed midway) must not
+bet on how fast the engine is: it pauses the engine between steps, does what it needs, and resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from dsv4_engine.server.errors import unavailable
+
+ENV = "DSV4_TEST_HOOKS"
+router = APIRouter(prefix="/debug")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+@router.post("/pause")
+async def pause(request: Request) -> JSONResponse:
+    """Returns once the engine thread runs no more steps (commands such as aborts still apply)."""
+    bridge = request.app.state.ctx.bridge
+    if bridge is None:
+        raise unavailable("the model is still loading", retry_after=1, code="server_loading")
+    paused = await asyncio.to_thread(bridge.pause)
+    return JSONResponse({"paused": paused, "steps": bridge.steps, "open": len(bridge.open_handles())})
+
+
+@router.post("/resume")
+async def resume(request: Request) -> JSONResponse:
+    bridge = request.app.state.ctx.bridge
+    if bridge is not None:
+        bridge.resume()
+    return JSONResponse({"paused": False})
+
+
+@router.get("/state")
+async def state(request: Request) -> JSONResponse:
+    ctx = request.app.state.ctx
+    bridge = ctx.bridge
+    return JSONResponse(
+        {
+            "phase": ctx.phase.value,
+            "inflight": ctx.inflight,
+            "open": len(bridge.open_handles()) if bridge is not None else 0,
+            "engine": bridge.metrics() if bridge is not None else {},
+        }
+    )
