@@ -75,7 +75,7 @@ class _Batched:
         from dsv4_engine.memory.seq_cache import PagedSeqCache
         from dsv4_engine.model import ForwardBatch
 
-        cache = PagedSeqCache(self.kv, self.alloc, self.req_pool.alloc())
+        cache = PagedSeqCache(self.kv, self.alloc, self.alloc.alloc_request())
         t0 = time.perf_counter()
         self.alloc.alloc_extend([ExtendSpec(cache.req_idx, 0, len(prompt))])
         with torch.inference_mode():

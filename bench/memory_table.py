@@ -58,8 +58,8 @@ def held_bytes(layout: Dsv4MemoryLayout, context: int, chunk: int) -> Row:
         full_pages=cdiv(context, p), swa_pages=cdiv(chunk, p) + 4, c4_state_pages=8, c128_state_pages=8
     )
     mem = PagedMemory.build(layout, sizes, max_reqs=1, max_ctx=context, device="meta")
-    kv, req_pool, alloc = mem.kv, mem.req_pool, mem.allocator
-    r = req_pool.alloc()
+    kv, alloc = mem.kv, mem.allocator
+    r = alloc.alloc_request()
     done = 0
     while done < context - 1:
         nxt = min(context - 1, done + chunk)

@@ -14,7 +14,7 @@ Each step:
 
 The caller runs the forward, samples a token for every chunk with `sample=True`, and hands them to
 `postprocess`, which appends tokens, finishes requests (EOS / stop ids / max_tokens / max_model_len)
-and frees them through the request pool's one free path.
+and frees them through the allocator's one free path.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ class Sequence:
     num_computed: int = 0  # positions whose KV is in the pools
     finish_reason: str | None = None
     prompt_counted: bool = False
+    # PD prefill: when it finishes (or is aborted) its pages stay held until `release`, because a
+    # transfer may still be reading them.
+    hold: bool = False
+    num_forwarded: int = 0  # tokens of this request the model ran (PD: decode never re-runs the prompt)
     # Engine-side handles the scheduler never reads: the model's view of the pages (a SeqCache,
     # dropped whenever the pages are freed) and the request's seeded sampling generator.
     cache: object | None = None
@@ -123,8 +127,10 @@ class Scheduler:
         self.req_pool = req_pool
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
+        self.held: dict[str, Sequence] = {}  # finished PD prefills whose pages a transfer may read
         self.counters = {"num_preemptions": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0}
         self.counters["num_aborted"] = 0
+        self.counters["forwarded_tokens_total"] = 0
 
     # ---- requests ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -149,11 +155,35 @@ class Scheduler:
                 return self._finish(seq, "abort")
         return None
 
+    def admit_resident(self, seq: Sequence) -> Sequence | None:
+        """Admit a request whose state is already in the pools (PD decode: transferred) as running,
+        its first output token known. Returns it finished when that token already ends it."""
+        if seq.req_idx is None or not seq.output_token_ids:
+            raise ValueError(f"request {seq.request_id}: a resident request needs its row and first token")
+        seq.num_computed = len(seq.prompt_token_ids)
+        seq.status = SeqStatus.RUNNING
+        seq.prompt_counted = True
+        self.counters["prompt_tokens_total"] += len(seq.prompt_token_ids)
+        self.counters["generation_tokens_total"] += 1
+        self.running.append(seq)
+        reason = self._stop_reason(seq, seq.output_token_ids[-1])
+        return self._finish(seq, reason) if reason is not None else None
+
+    def release(self, request_id: str) -> bool:
+        """Free a held request's pages (its transfer ended); False if it holds none."""
+        seq = self.held.pop(request_id, None)
+        if seq is None or seq.req_idx is None:
+            return False
+        self.allocator.free(seq.req_idx)
+        seq.req_idx = None
+        return True
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"num_running": len(self.running), "num_waiting": len(self.waiting)}
+        out["num_held"] = len(self.held)
         out.update({k: float(v) for k, v in self.counters.items()})
         out.update({f"pool_usage/{k}": v for k, v in self.allocator.usage().items()})
         for name, pool in self.allocator.pools.items():
@@ -179,7 +209,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         if seq.req_idx is not None:
-            self.req_pool.free(seq.req_idx)  # the one free path: every page of every family
+            self.allocator.free(seq.req_idx)  # the one free path: every page of every family
         seq.req_idx, seq.num_computed, seq.status, seq.cache = None, 0, SeqStatus.WAITING, None
         self.waiting.appendleft(seq)
         self.counters["num_preemptions"] += 1
@@ -234,11 +264,14 @@ class Scheduler:
             free_full = self.allocator.pools["full"].num_free - planned["full"]
             # Admission: the pools must hold every known token of the request (prompt, and the
             # outputs of a preempted one); decode growth is covered by preemption.
-            if cdiv(seq.num_tokens, self.config.page_size) > free_full or self.req_pool.available_size() == 0:
+            if (
+                cdiv(seq.num_tokens, self.config.page_size) > free_full
+                or self.allocator.num_free_requests() == 0
+            ):
                 break
-            seq.req_idx = self.req_pool.alloc()
+            seq.req_idx = self.allocator.alloc_request()
             if not self._add_chunk(seq, budget, planned, chunks, specs):
-                self.req_pool.free(seq.req_idx)
+                self.allocator.free(seq.req_idx)
                 seq.req_idx = None
                 break
             self.waiting.popleft()
@@ -287,6 +320,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.num_computed = chunk.end
+            seq.num_forwarded += chunk.end - chunk.start
+            self.counters["forwarded_tokens_total"] += chunk.end - chunk.start
             if not chunk.sample:
                 continue
             if not seq.prompt_counted:
@@ -311,8 +346,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> Sequence:
         if seq in self.running:
             self.running.remove(seq)
-        if seq.req_idx is not None:
-            self.req_pool.free(seq.req_idx)
+        if seq.hold and seq.req_idx is not None:
+            self.held[seq.request_id] = seq
+        elif seq.req_idx is not None:
+            self.allocator.free(seq.req_idx)
             seq.req_idx = None
         seq.cache = None
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason

@@ -53,7 +53,7 @@ class Mem:
 
     def join(self, model: Dsv4ForCausalLM, name: str, prompt: list[int]) -> torch.Tensor:
         """Prefill through the reference path; logits of the prompt's last token."""
-        cache = self.caches[name] = PagedSeqCache(self.kv, self.alloc, self.req_pool.alloc())
+        cache = self.caches[name] = PagedSeqCache(self.kv, self.alloc, self.alloc.alloc_request())
         self.alloc.alloc_extend([ExtendSpec(cache.req_idx, 0, len(prompt))])
         with torch.no_grad():
             hidden = model(ForwardBatch.build([(cache, prompt)]))

@@ -26,7 +26,7 @@ def test_fill_equals_reference_builder(make_mem, batch: int, fill: str) -> None:
     g = torch.Generator().manual_seed(batch)
     lengths = {}
     for _ in range(batch):
-        r = mem.req_pool.alloc()
+        r = mem.alloc.alloc_request()
         lengths[r] = LENGTHS[int(torch.randint(len(LENGTHS), (1,), generator=g))]
         mem.alloc.alloc_extend([ExtendSpec(r, 0, lengths[r])])
     for step in range(6):  # decode steps; the first bucket is reused with other contents

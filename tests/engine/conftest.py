@@ -50,7 +50,7 @@ def _assert_released(llm: LLM) -> None:
         assert m[f"pool_total/{fam}"] > 0, fam
         assert m[f"pool_free/{fam}"] == m[f"pool_total/{fam}"], fam
         assert m[f"pool_usage/{fam}"] == 0.0, fam
-    assert llm.engine.req_pool.available_size() == llm.engine.max_num_seqs
+    assert llm.engine.allocator.num_free_requests() == llm.engine.max_num_seqs
     assert m["num_running"] == 0 and m["num_waiting"] == 0 and not llm.engine.requests
 
 

@@ -10,10 +10,10 @@ import torch
 
 from dsv4_engine.memory import (
     Dsv4Allocator,
-    Dsv4DecodeReqToTokenPool,
     Dsv4MemoryLayout,
     Dsv4ReqToTokenPool,
     Dsv4TokenToKVPool,
+    PagedMemory,
     PoolSizes,
 )
 
@@ -23,7 +23,7 @@ class Mem:
     layout: Dsv4MemoryLayout
     sizes: PoolSizes
     kv: Dsv4TokenToKVPool
-    req_pool: Dsv4ReqToTokenPool | Dsv4DecodeReqToTokenPool
+    req_pool: Dsv4ReqToTokenPool  # or its subclass Dsv4DecodeReqToTokenPool
     alloc: Dsv4Allocator
 
 
@@ -52,13 +52,8 @@ def make_mem() -> Callable[..., Mem]:
     ) -> Mem:
         layout = small_layout(page_size, window, ratios)
         sizes = PoolSizes(full_pages, swa_pages, state_pages, state_pages)
-        kv = Dsv4TokenToKVPool(layout, sizes)
-        if decode:
-            req_pool: Dsv4ReqToTokenPool | Dsv4DecodeReqToTokenPool = Dsv4DecodeReqToTokenPool(
-                max_reqs, max_ctx, pre_alloc_size=2
-            )
-        else:
-            req_pool = Dsv4ReqToTokenPool(max_reqs, max_ctx)
-        return Mem(layout, sizes, kv, req_pool, Dsv4Allocator(layout, sizes, req_pool))
+        # decode: a disaggregated decode server's memory, 2 extra rows for in-transfer requests.
+        mem = PagedMemory.build(layout, sizes, max_reqs, max_ctx, pre_alloc_rows=2 if decode else 0)
+        return Mem(layout, sizes, mem.kv, mem.req_pool, mem.allocator)
 
     return make

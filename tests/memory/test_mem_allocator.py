@@ -27,7 +27,7 @@ def test_state_tail_formula_hand_cases() -> None:
 def test_prefix_aware_chunks_allocate_only_what_they_add(make_mem) -> None:
     mem = make_mem()
     a, pool = mem.alloc, mem.req_pool
-    r = pool.alloc()
+    r = a.alloc_request()
     free0 = a.num_free()
     b1 = a.alloc_extend([ExtendSpec(r, 0, 256)])
     assert a.held_pages(r)["full"] == 2 and free0["full"] - a.num_free()["full"] == 2
@@ -46,7 +46,7 @@ def test_prefix_aware_chunks_allocate_only_what_they_add(make_mem) -> None:
 def test_bundle_concatenates_batch_and_matches_tables(make_mem) -> None:
     mem = make_mem()
     a, pool = mem.alloc, mem.req_pool
-    r0, r1 = pool.alloc(), pool.alloc()
+    r0, r1 = a.alloc_request(), a.alloc_request()
     b = a.alloc_extend([ExtendSpec(r0, 0, 130), ExtendSpec(r1, 0, 7)])
     assert b.extend_counts == [130, 7]
     assert b.out_full_loc.numel() == 137 and b.out_swa_loc.numel() == 137
@@ -70,13 +70,13 @@ def test_bundle_concatenates_batch_and_matches_tables(make_mem) -> None:
 def test_state_tail_after_prefill(make_mem) -> None:
     mem = make_mem()
     a, pool = mem.alloc, mem.req_pool
-    r = pool.alloc()
+    r = a.alloc_request()
     a.alloc_extend([ExtendSpec(r, 0, 300)])
     # tail 44: both states keep [256, 300) -> page 2 only.
     assert nonzero_range(pool.req_to_token_c4_state[r]) == (256, 384)
     assert nonzero_range(pool.req_to_token_c128_state[r]) == (256, 384)
     assert a.held_pages(r) == {"full": 3, "swa": 3, "c4s": 1, "c128s": 1}
-    r2 = pool.alloc()
+    r2 = a.alloc_request()
     a.alloc_extend([ExtendSpec(r2, 0, 257)])
     # tail 1: c4 keeps [128, 257) -> pages 1, 2; c128 keeps [256, 257) -> page 2.
     assert nonzero_range(pool.req_to_token_c4_state[r2]) == (128, 384)
@@ -91,7 +91,7 @@ def decode_to(a, r: int, seq: int) -> None:
 def test_watermark_eviction_of_old_state(make_mem) -> None:
     mem = make_mem()
     a, pool = mem.alloc, mem.req_pool
-    r = pool.alloc()
+    r = a.alloc_request()
     a.alloc_extend([ExtendSpec(r, 0, 300)])
     decode_to(a, r, 408)
     # step 407->408: c4 keep_from = min(offset(408)=384, 407-24=383) = 383: page 2 [256, 384) kept.
@@ -111,7 +111,7 @@ def test_watermark_eviction_of_old_state(make_mem) -> None:
 def test_window_release_bounds_swa(make_mem) -> None:
     mem = make_mem(window=16)
     a, pool = mem.alloc, mem.req_pool
-    r = pool.alloc()
+    r = a.alloc_request()
     a.alloc_extend([ExtendSpec(r, 0, 300)])
     assert a.held_pages(r)["swa"] == 3  # the step in flight holds all it writes
     a.alloc_decode([r])  # 300 -> 301: keep_from 284, pages 0 and 1 released
@@ -128,7 +128,7 @@ def test_window_release_bounds_swa(make_mem) -> None:
 def test_out_of_pages_changes_nothing(make_mem) -> None:
     mem = make_mem(full_pages=3)
     a, pool = mem.alloc, mem.req_pool
-    r0, r1 = pool.alloc(), pool.alloc()
+    r0, r1 = a.alloc_request(), a.alloc_request()
     a.alloc_extend([ExtendSpec(r0, 0, 200)])
     before = a.num_free()
     c4_row = pool.req_to_token_c4[r1].clone()
@@ -141,7 +141,7 @@ def test_out_of_pages_changes_nothing(make_mem) -> None:
 
 def test_decode_prealloc_matches_prefill_holdings(make_mem) -> None:
     prefill, decode = make_mem(), make_mem(decode=True)
-    rp, rd = prefill.req_pool.alloc(), decode.req_pool.alloc()
+    rp, rd = prefill.alloc.alloc_request(), decode.alloc.alloc_request()
     prefill.alloc.alloc_extend([ExtendSpec(rp, 0, 256)])
     prefill.alloc.alloc_extend([ExtendSpec(rp, 256, 301)])
     decode.alloc.alloc_prealloc(rd, 301)
@@ -150,3 +150,29 @@ def test_decode_prealloc_matches_prefill_holdings(make_mem) -> None:
     assert decode.alloc.seq_len(rd) == 301
     decode.alloc.alloc_decode([rd])  # continues like a colocated request
     assert decode.alloc.seq_len(rd) == 302
+
+
+def test_a_request_may_use_pages_a_later_request_of_the_batch_releases(make_mem) -> None:
+    # SWA pool of 2 pages, both held by r0; r1 (listed first) needs one, which only r0's step releases
+    # (144 -> 145 leaves page 0 behind the window of 16). The batch fits net, so it must succeed.
+    mem = make_mem(swa_pages=2)
+    a = mem.alloc
+    r0, r1 = a.alloc_request(), a.alloc_request()
+    a.alloc_extend([ExtendSpec(r0, 0, 130)])
+    decode_to(a, r0, 144)
+    assert a.num_free()["swa"] == 0
+    b = a.alloc_extend([ExtendSpec(r1, 0, 100), ExtendSpec(r0, 144, 145)])
+    assert a.held_pages(r1)["swa"] == 1 and a.held_pages(r0)["swa"] == 1
+    assert b.out_swa_loc[:100].tolist() == mem.req_pool.req_to_token_swa[r1, :100].tolist()
+    assert int(mem.req_pool.req_to_token_swa[r0, :128].abs().sum()) == 0  # r0's page 0 released
+
+
+def test_a_step_that_fits_takes_fresh_pages_before_releasing(make_mem) -> None:
+    # With room to spare, the pages a step releases are not handed straight back to the same step:
+    # the window's pages stay one run of ids (one PD transfer entry instead of two).
+    mem = make_mem(window=128)
+    a = mem.alloc
+    r = a.alloc_request()
+    a.alloc_extend([ExtendSpec(r, 0, 256)])  # SWA pages 1, 2
+    a.alloc_extend([ExtendSpec(r, 256, 384)])  # releases page index 0 (id 1), takes index 2
+    assert [int(mem.req_pool.req_to_token_swa[r, k * 128]) // 128 for k in (1, 2)] == [2, 3]

@@ -16,7 +16,7 @@ C4_LAYER, C128_LAYER = 1, 2
 
 def test_chunked_prefill_fields_hand_checked(make_mem) -> None:
     mem = make_mem(window=16)
-    r = mem.req_pool.alloc()
+    r = mem.alloc.alloc_request()
     b1 = mem.alloc.alloc_extend([ExtendSpec(r, 0, 128)])
     m1 = build_extend_metadata(mem.layout, mem.req_pool, [ExtendSpec(r, 0, 128)], b1)
     # First chunk: the overlap of block 0 reads positions -4..-1 -> sentinel slots.
@@ -49,7 +49,7 @@ def test_chunked_prefill_fields_hand_checked(make_mem) -> None:
 
 def test_first_tokens_mask_negative_window(make_mem) -> None:
     mem = make_mem(window=16)
-    r = mem.req_pool.alloc()
+    r = mem.alloc.alloc_request()
     spec = ExtendSpec(r, 0, 3)
     m = build_extend_metadata(mem.layout, mem.req_pool, [spec], mem.alloc.alloc_extend([spec]))
     assert m.swa_slots[0, :15].tolist() == [-1] * 15 and int(m.swa_slots[0, 15]) > 0
@@ -58,7 +58,7 @@ def test_first_tokens_mask_negative_window(make_mem) -> None:
 
 def test_decode_fields_are_per_request(make_mem) -> None:
     mem = make_mem()
-    r0, r1 = mem.req_pool.alloc(), mem.req_pool.alloc()
+    r0, r1 = mem.alloc.alloc_request(), mem.alloc.alloc_request()
     mem.alloc.alloc_extend([ExtendSpec(r0, 0, 127), ExtendSpec(r1, 0, 130)])
     specs = [ExtendSpec(r0, 127, 128), ExtendSpec(r1, 130, 131)]
     m = build_decode_metadata(mem.layout, mem.req_pool, specs, mem.alloc.alloc_decode([r0, r1]))
@@ -183,7 +183,7 @@ def prefill(mem, data: dict, lens: dict[int, int], chunk: int | None) -> None:
 
 
 def two_requests(mem, prompt: int, other: int) -> tuple[dict, dict[int, int]]:
-    reqs = [mem.req_pool.alloc(), mem.req_pool.alloc()]
+    reqs = [mem.alloc.alloc_request(), mem.alloc.alloc_request()]
     data = {r: make_data(1024, seed=prompt * 10 + i) for i, r in enumerate(reqs)}
     return data, {reqs[0]: prompt, reqs[1]: other}
 
@@ -227,7 +227,7 @@ def test_toy_compressor_decode_from_static_buffers(make_mem, prompt: int) -> Non
 def test_decode_buffers_refresh_in_place_and_pad(make_mem) -> None:
     mem = make_mem()
     bufs = DecodeBuffers(mem.layout, 2048, buckets=(2, 4))
-    r = [mem.req_pool.alloc() for _ in range(3)]
+    r = [mem.alloc.alloc_request() for _ in range(3)]
     mem.alloc.alloc_extend([ExtendSpec(x, 0, 10 + i) for i, x in enumerate(r)])
     specs = [ExtendSpec(x, 10 + i, 11 + i) for i, x in enumerate(r)]
     meta = build_decode_metadata(mem.layout, mem.req_pool, specs, mem.alloc.alloc_decode(r), num_pages=1)

@@ -38,7 +38,7 @@ class Paged:
         self.kv, self.req_pool, self.alloc = mem.kv, mem.req_pool, mem.allocator
 
     def new_cache(self) -> PagedSeqCache:
-        return PagedSeqCache(self.kv, self.alloc, self.req_pool.alloc())
+        return PagedSeqCache(self.kv, self.alloc, self.alloc.alloc_request())
 
 
 def run(model, caches, prompts: list[list[int]], chunk: int | None, steps: int, paged: Paged | None):

@@ -59,7 +59,7 @@ def test_sentinel_pages(make_mem) -> None:
 def test_payloads_hand_checked(make_mem) -> None:
     mem = make_mem(window=16)
     pool, a = mem.req_pool, mem.alloc
-    r = pool.alloc()
+    r = a.alloc_request()
     a.alloc_extend([ExtendSpec(r, 0, 256)])
     a.alloc_extend([ExtendSpec(r, 256, 301)])
     pl = {t: f() for t, f in dsv4_state_payloads(mem.kv, pool, r, 301).items()}
@@ -78,7 +78,7 @@ def test_payloads_pair_up_between_prefill_and_decode(make_mem) -> None:
     # pre-allocates only what is needed. The lists must still have equal length and the same zeros.
     for seq in (5, 127, 128, 129, 131, 132, 300, 513, 1000):
         pre, dec = make_mem(), make_mem(decode=True)
-        rp, rd = pre.req_pool.alloc(), dec.req_pool.alloc()
+        rp, rd = pre.alloc.alloc_request(), dec.alloc.alloc_request()
         done = 0
         while done < seq:
             nxt = min(seq, done + 256)
@@ -91,3 +91,31 @@ def test_payloads_pair_up_between_prefill_and_decode(make_mem) -> None:
         for t in src:
             assert len(src[t]) == len(dst[t]), (seq, t)
             assert [x == 0 for x in src[t]] == [x == 0 for x in dst[t]], (seq, t, src[t], dst[t])
+
+
+def runs(pages: list[int]) -> int:
+    """Runs of consecutive page ids among the non-sentinel entries (one Mooncake entry each)."""
+    ids = [p for p in pages if p]
+    return sum(1 for i, p in enumerate(ids) if i == 0 or p != ids[i - 1] + 1)
+
+
+def test_request_in_a_fresh_pool_holds_one_run_per_family(make_mem) -> None:
+    # Prefill in one step, decode-side pre-allocation, and chunked prefill (full pages are never freed
+    # mid-life, so they stay one run; SWA and state pages released between chunks may leave holes).
+    for seq in (5, 129, 300, 513, 1000):
+        pre, dec, chunked = make_mem(window=128), make_mem(window=128, decode=True), make_mem(window=128)
+        rp, rd, rc = pre.alloc.alloc_request(), dec.alloc.alloc_request(), chunked.alloc.alloc_request()
+        pre.alloc.alloc_extend([ExtendSpec(rp, 0, seq)])
+        dec.alloc.alloc_prealloc(rd, seq)
+        for lo in range(0, seq, 256):
+            chunked.alloc.alloc_extend([ExtendSpec(rc, lo, min(seq, lo + 256))])
+        for mem, r, types in (
+            (pre, rp, set(StateType)),
+            (dec, rd, set(StateType)),
+            (chunked, rc, {StateType.C4, StateType.INDEXER, StateType.C128}),
+        ):
+            payloads = {t: f() for t, f in dsv4_state_payloads(mem.kv, mem.req_pool, r, seq).items()}
+            for t in types & set(payloads):
+                assert runs(payloads[t]) == (1 if any(payloads[t]) else 0), (seq, t, payloads[t])
+            if seq >= 4:
+                assert payloads[StateType.C4][0] == 1  # a fresh pool starts at the lowest id

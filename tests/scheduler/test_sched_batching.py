@@ -101,7 +101,7 @@ def test_abort_waiting_and_running(make_harness) -> None:
     assert h.sched.abort("nope") is None
     assert not h.sched.has_unfinished() and h.sched.metrics()["num_aborted"] == 2
     assert h.alloc.num_free() == {"full": 64, "swa": 64, "c4s": 32, "c128s": 32}
-    assert h.req_pool.available_size() == 8
+    assert h.alloc.num_free_requests() == 8
 
 
 def test_rejects_requests_that_can_never_run(make_harness) -> None:

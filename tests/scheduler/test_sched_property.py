@@ -64,5 +64,5 @@ def test_any_workload_is_clean(make_harness, requests, aborts, full_pages: int, 
         else:
             assert s.finish_reason == "abort"
     assert h.alloc.num_free() == initial
-    assert h.req_pool.available_size() == 8
+    assert h.alloc.num_free_requests() == 8
     target(h.sched.metrics()["num_preemptions"])  # steer the search toward preempting workloads

@@ -6,31 +6,22 @@ from .page_pool import OutOfPages, PagePool
 from .paged import PagedMemory
 from .payloads import dsv4_state_payloads
 from .pools import Dsv4TokenToKVPool, StateComponent
-from .req_to_token import (
-    DecodeReqToTokenPool,
-    Dsv4DecodeReqToTokenPool,
-    Dsv4ReqToTokenPool,
-    Dsv4ReqToTokenTablesMixin,
-    ReqToTokenPool,
-)
+from .req_to_token import Dsv4DecodeReqToTokenPool, Dsv4ReqToTokenPool
 from .sizing import PoolSizes, plan_pool_sizes
 
 __all__ = [
     "STATE_TYPE_ORDER",
     "DSV4OutCacheLoc",
-    "DecodeReqToTokenPool",
     "Dsv4Allocator",
     "Dsv4DecodeReqToTokenPool",
     "Dsv4MemoryLayout",
     "Dsv4ReqToTokenPool",
-    "Dsv4ReqToTokenTablesMixin",
     "Dsv4TokenToKVPool",
     "ExtendSpec",
     "OutOfPages",
     "PagePool",
     "PagedMemory",
     "PoolSizes",
-    "ReqToTokenPool",
     "StateComponent",
     "StateType",
     "dsv4_state_payloads",

@@ -8,6 +8,9 @@ Families (page ids, each with sentinel page 0):
 
 A step is `prefix_len -> seq_len` for one request: chunked prefill, a whole prompt, or one decode
 token (prefix_len = seq_len - 1). Only what the step adds is allocated (prefix-aware).
+
+The allocator owns the request pool's rows: `alloc_request` hands one out, `free` is the one path that
+releases it (every page of every family, then the zeroed row).
 """
 
 from __future__ import annotations
@@ -149,7 +152,18 @@ class Dsv4Allocator:
         self._state_ratio = {"c4s": 4, "c128s": 128}
         self._active = {"c4s": has_c4, "c128s": has_c128}
         self._reqs: dict[int, _ReqPages] = {}
-        req_pool.register_dsv4_allocator(self)
+
+    # ---- request rows --------------------------------------------------------------------------
+    def alloc_request(self) -> int | None:
+        """A free request row (all its tables zero, no pages held); None when every row is in use."""
+        return self.req_pool._take_row()
+
+    def num_free_requests(self) -> int:
+        return self.req_pool.num_free_rows()
+
+    def _check_row(self, req_idx: int) -> None:
+        if not self.req_pool.is_allocated(req_idx):
+            raise ValueError(f"request row {req_idx} was not handed out by alloc_request (or is freed)")
 
     # ---- queries -------------------------------------------------------------------------------
     def seq_len(self, req_idx: int) -> int:
@@ -172,6 +186,7 @@ class Dsv4Allocator:
         return range(lo // p, cdiv(hi, p)) if hi > lo else range(0)
 
     def _plan(self, spec: ExtendSpec) -> _Plan:
+        self._check_row(spec.req_idx)
         r = self._reqs.get(spec.req_idx, _ReqPages())
         if spec.prefix_len != r.seq_len:
             raise ValueError(
@@ -225,10 +240,23 @@ class Dsv4Allocator:
             net = sum(len(pl.need[fam]) - len(pl.free[fam]) for pl in plans)
             if net > self.pools[fam].num_free:
                 raise OutOfPages(f"{fam} pool: step needs {net} more pages, {self.pools[fam].num_free} free")
+        # Releases and allocations of the whole batch go in two phases: per request, an earlier request
+        # could need pages only a later one releases. When the batch fits without its own releases,
+        # allocate first so it does not take back pages it just released: new pages then follow the
+        # ones a request already holds (contiguous runs, cheaper PD transfers) instead of filling holes.
+        gross_fits = all(
+            sum(len(pl.need[fam]) for pl in plans) <= self.pools[fam].num_free for fam in FAMILIES
+        )
+        if not gross_fits:
+            for spec, plan in zip(specs, plans, strict=True):
+                self._release(spec, plan)
         writes = _TableWrites()
         for spec, plan in zip(specs, plans, strict=True):
             self._apply(spec, plan, writes)
         writes.flush()
+        if gross_fits:
+            for spec, plan in zip(specs, plans, strict=True):
+                self._release(spec, plan)
         return self._bundle(specs)
 
     def alloc_decode(self, req_indices: Sequence[int]) -> DSV4OutCacheLoc:
@@ -239,6 +267,7 @@ class Dsv4Allocator:
         """Disaggregated decode: hold what a request of seq_len needs to continue, before its KV
         arrives: all full pages, the SWA pages from swa_window_start, the state tails. Writes the
         tables (the seed's write_dsv4_prealloc_tables)."""
+        self._check_row(req_idx)
         if req_idx in self._reqs:
             raise ValueError(f"request {req_idx} already holds memory")
         p = self.page_size
@@ -260,17 +289,20 @@ class Dsv4Allocator:
         self._apply(ExtendSpec(req_idx, 0, seq_len), _Plan(free=empty, need=need), writes)
         writes.flush()
 
-    def _apply(self, spec: ExtendSpec, plan: _Plan, writes: _TableWrites) -> None:
-        """Take the plan's pages and map the step's positions. The per-position entries (full slots,
-        c4/c128 rows) go to `writes`, one scatter per table for the whole batch (see `_TableWrites`);
-        page-wide ones (a page taken or freed, every p steps at most) are written here."""
-        r = self._reqs.setdefault(spec.req_idx, _ReqPages())
-        pool, p, idx = self.req_pool, self.page_size, spec.req_idx
-        tables = {
+    def _paged_tables(self) -> dict[str, torch.Tensor]:
+        pool = self.req_pool
+        return {
             "swa": pool.req_to_token_swa,
             "c4s": pool.req_to_token_c4_state,
             "c128s": pool.req_to_token_c128_state,
         }
+
+    def _release(self, spec: ExtendSpec, plan: _Plan) -> None:
+        """Give back the pages the plan releases and reset their table entries to the sentinel."""
+        r, p, idx = self._reqs.get(spec.req_idx), self.page_size, spec.req_idx
+        if r is None:
+            return
+        tables = self._paged_tables()
         for fam, freed in plan.free.items():
             if not freed:
                 continue
@@ -279,6 +311,15 @@ class Dsv4Allocator:
                 del held[k]
                 tables[fam][idx, k * p : (k + 1) * p] = 0
             self.pools[fam].free([pg for _, pg in freed])
+
+    def _apply(self, spec: ExtendSpec, plan: _Plan, writes: _TableWrites) -> None:
+        """Take the plan's pages and map the step's positions (its releases are `_release`'s). The
+        per-position entries (full slots, c4/c128 rows) go to `writes`, one scatter per table for the
+        whole batch (see `_TableWrites`); page-wide ones (a page taken, every p steps at most) are
+        written here. Released and taken page indices are disjoint, so the order of the two is free."""
+        r = self._reqs.setdefault(spec.req_idx, _ReqPages())
+        pool, p, idx = self.req_pool, self.page_size, spec.req_idx
+        tables = self._paged_tables()
         for fam, ks in plan.need.items():
             pages = self.pools[fam].alloc(len(ks))
             if fam == "full":
@@ -329,16 +370,17 @@ class Dsv4Allocator:
 
     # ---- freeing -------------------------------------------------------------------------------
     def free(self, req_idx: int) -> None:
-        """The one free path: every page of every family the request holds, c4/c128 included.
+        """The one free path: every page of every family the request holds (c4/c128 included), then
+        the row itself with all its tables zeroed, so a reused row never points at someone else's page.
 
-        Clears the request's table rows too, so a reused row never points at someone else's page.
+        A row that holds no pages is just released. Raises ValueError for a row that is not in use
+        (freed twice, or never handed out by `alloc_request`).
         """
+        if not self.req_pool.is_allocated(req_idx):
+            raise ValueError(f"request row {req_idx} is not allocated (double free, or never handed out)")
         r = self._reqs.pop(req_idx, None)
-        if r is None:
-            return
-        self.pools["full"].free(r.full)
-        for fam in ("swa", "c4s", "c128s"):
-            self.pools[fam].free(list(getattr(r, fam).values()))
-        pool = self.req_pool
-        for table in (pool.req_to_token, *(getattr(pool, n) for n in pool.DSV4_TABLES)):
-            table[req_idx].zero_()
+        if r is not None:
+            self.pools["full"].free(r.full)
+            for fam in ("swa", "c4s", "c128s"):
+                self.pools[fam].free(list(getattr(r, fam).values()))
+        self.req_pool._release_row(req_idx)

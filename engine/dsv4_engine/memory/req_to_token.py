@@ -1,88 +1,28 @@
-"""Request -> token tables: the ordinary pool, the disaggregated-decode pool, and the DSV4 mixin.
+"""Request -> token tables: the six int32 tables a request row indexes, and which rows are in use.
 
 Every table is int32 and zero-initialised: 0 is a slot in the sentinel page, so an unset entry reads
 as "nothing here" (KV 0, state kv 0 / score -inf) instead of someone else's data.
+
+The pool knows nothing about pages. Rows are handed out and released only by `Dsv4Allocator`
+(`alloc_request` / `free`), through the package-private `_take_row` / `_release_row`: a row then can
+never be released while it still holds pages, and a reused row always starts clean.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .allocator import Dsv4Allocator
 
+class Dsv4ReqToTokenPool:
+    """The colocated (or prefill) pool: `size` rows of
 
-class ReqToTokenPool:
-    """Rows of per-request slot tables; req_to_token holds the full-pool slot of every raw position."""
-
-    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
-        self.size = size
-        self.max_context_len = max_context_len
-        self.device = torch.device(device)
-        self._alloc_size = self._rows(size)
-        self.req_to_token = torch.zeros((self._alloc_size, max_context_len), dtype=torch.int32, device=device)
-        self._free_rows: list[int] = list(range(self._alloc_size - 1, -1, -1))
-        self._used_rows: set[int] = set()
-
-    def _rows(self, size: int) -> int:
-        return size
-
-    def available_size(self) -> int:
-        return len(self._free_rows)
-
-    def alloc(self) -> int | None:
-        if not self._free_rows:
-            return None
-        row = self._free_rows.pop()
-        self._used_rows.add(row)
-        return row
-
-    def check_allocated(self, req_idx: int) -> None:
-        if req_idx not in self._used_rows:
-            raise ValueError(f"request row {req_idx} is not allocated (double free?)")
-
-    def free(self, req_idx: int) -> None:
-        self.check_allocated(req_idx)
-        self.req_to_token[req_idx].zero_()
-        self._used_rows.remove(req_idx)
-        self._free_rows.append(req_idx)
-
-
-class DecodeReqToTokenPool(ReqToTokenPool):
-    """A decode server's pool: extra rows for requests whose KV is still arriving (pre-allocated)."""
-
-    def __init__(
-        self, size: int, max_context_len: int, device: str | torch.device = "cpu", pre_alloc_size: int = 0
-    ) -> None:
-        self.pre_alloc_size = pre_alloc_size
-        super().__init__(size, max_context_len, device)
-
-    def _rows(self, size: int) -> int:
-        return size + self.pre_alloc_size
-
-
-class Dsv4ReqToTokenTablesMixin:
-    """The five DSV4 tables on top of a request pool.
-
+    req_to_token[r, pos]            full slot of raw position pos (addresses C4 / indexer / C128 pages)
     req_to_token_swa[r, pos]        SWA slot of raw position pos (0 once out of the window)
     req_to_token_c4[r, j]           C4 / indexer row slot of compressed block j (= positions 4j..4j+3)
     req_to_token_c128[r, j]         C128 row slot of block j
     req_to_token_c4_state[r, pos]   C4 state slot of pos (0 outside the state tail)
     req_to_token_c128_state[r, pos] C128 state slot of pos (0 outside the state tail)
-
-    The host calls super().__init__ first (so _alloc_size exists), then _init_dsv4_tables; its free
-    goes through _dsv4_free, i.e. the allocator's one free path, before releasing the row.
     """
-
-    _alloc_size: int
-    req_to_token: torch.Tensor
-    req_to_token_swa: torch.Tensor
-    req_to_token_c4: torch.Tensor
-    req_to_token_c128: torch.Tensor
-    req_to_token_c4_state: torch.Tensor
-    req_to_token_c128_state: torch.Tensor
 
     DSV4_TABLES = (
         "req_to_token_swa",
@@ -91,55 +31,80 @@ class Dsv4ReqToTokenTablesMixin:
         "req_to_token_c4_state",
         "req_to_token_c128_state",
     )
+    TABLES = ("req_to_token", *DSV4_TABLES)
 
-    def _init_dsv4_tables(self, max_context_len: int, device: str | torch.device) -> None:
-        self._dsv4_allocator: Dsv4Allocator | None = None
+    req_to_token: torch.Tensor
+    req_to_token_swa: torch.Tensor
+    req_to_token_c4: torch.Tensor
+    req_to_token_c128: torch.Tensor
+    req_to_token_c4_state: torch.Tensor
+    req_to_token_c128_state: torch.Tensor
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self._alloc_size = size + self._extra_rows()
         cols = {
+            "req_to_token": max_context_len,
             "req_to_token_swa": max_context_len,
             "req_to_token_c4": max(1, max_context_len // 4),
             "req_to_token_c128": max(1, max_context_len // 128),
             "req_to_token_c4_state": max_context_len,
             "req_to_token_c128_state": max_context_len,
         }
-        for name in self.DSV4_TABLES:
+        for name in self.TABLES:
             setattr(self, name, torch.zeros((self._alloc_size, cols[name]), dtype=torch.int32, device=device))
+        self._free_rows: list[int] = list(range(self._alloc_size - 1, -1, -1))  # pop() -> lowest first
+        self._used_rows: set[int] = set()
 
-    def register_dsv4_allocator(self, allocator: Dsv4Allocator) -> None:
-        self._dsv4_allocator = allocator
+    def _extra_rows(self) -> int:
+        return 0
 
-    def _dsv4_free(self, req_idx: int) -> None:
-        if self._dsv4_allocator is not None:
-            self._dsv4_allocator.free(req_idx)
-        for name in self.DSV4_TABLES:
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return self._alloc_size
+
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def is_allocated(self, req_idx: int) -> bool:
+        return req_idx in self._used_rows
+
+    # ---- rows (Dsv4Allocator only) -------------------------------------------------------------
+    def _take_row(self) -> int | None:
+        if not self._free_rows:
+            return None
+        row = self._free_rows.pop()
+        self._used_rows.add(row)
+        return row
+
+    def _release_row(self, req_idx: int) -> None:
+        """Zero every table row of req_idx and return it; the allocator has freed its pages."""
+        if req_idx not in self._used_rows:
+            raise ValueError(f"request row {req_idx} is not allocated")
+        for name in self.TABLES:
             getattr(self, name)[req_idx].zero_()
+        self._used_rows.remove(req_idx)
+        self._free_rows.append(req_idx)
 
 
-class Dsv4ReqToTokenPool(Dsv4ReqToTokenTablesMixin, ReqToTokenPool):
-    """The ordinary (colocated or prefill) pool."""
-
-    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
-        super().__init__(size, max_context_len, device)
-        self._init_dsv4_tables(max_context_len, device)
-
-    def free(self, req_idx: int) -> None:
-        self.check_allocated(req_idx)
-        self._dsv4_free(req_idx)
-        super().free(req_idx)
-
-
-class Dsv4DecodeReqToTokenPool(Dsv4ReqToTokenTablesMixin, DecodeReqToTokenPool):
-    """The disaggregated-decode pool (rows for pre-allocated, in-transfer requests included)."""
+class Dsv4DecodeReqToTokenPool(Dsv4ReqToTokenPool):
+    """The disaggregated-decode pool: `pre_alloc_size` extra rows for requests whose KV is still
+    arriving (pre-allocated with `Dsv4Allocator.alloc_prealloc`), on top of the running ones."""
 
     def __init__(
         self, size: int, max_context_len: int, device: str | torch.device = "cpu", pre_alloc_size: int = 0
     ) -> None:
-        super().__init__(size, max_context_len, device, pre_alloc_size)
-        self._init_dsv4_tables(max_context_len, device)
+        if pre_alloc_size < 0:
+            raise ValueError(f"pre_alloc_size must be >= 0, got {pre_alloc_size}")
+        self.pre_alloc_size = pre_alloc_size
+        super().__init__(size, max_context_len, device)
 
-    def free(self, req_idx: int) -> None:
-        self.check_allocated(req_idx)
-        self._dsv4_free(req_idx)
-        super().free(req_idx)
+    def _extra_rows(self) -> int:
+        return self.pre_alloc_size
 
 
-Dsv4ReqPool = Dsv4ReqToTokenPool | Dsv4DecodeReqToTokenPool
+# Either pool (the decode pool is a subclass); kept as the name the type hints use.
+Dsv4ReqPool = Dsv4ReqToTokenPool

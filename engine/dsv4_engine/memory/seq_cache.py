@@ -6,8 +6,8 @@ cache.num_tokens); the model then reads and writes exactly what the dense cache 
 - compressor / indexer state rows of the open blocks (the state tail); rows written for positions
   outside the new tail are dropped, as the dense cache drops rows that fall out of its ring,
 - compressed rows by index (one page id per block of P raw positions in every compressed pool).
-free() is the request pool's free, i.e. the allocator's one free path (an engine driven by the
-Scheduler lets the scheduler free rows and never calls it).
+free() is the allocator's one free path for the cache's row (an engine driven by the Scheduler lets
+the scheduler free rows and never calls it).
 """
 
 from __future__ import annotations
@@ -118,5 +118,5 @@ class PagedSeqCache:
     def free(self) -> None:
         if not self._freed:
             self._freed = True
-            self.req_pool.free(self.req_idx)
+            self.allocator.free(self.req_idx)
         self.num_tokens = 0
