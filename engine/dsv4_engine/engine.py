@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,15 +23,18 @@ from dsv4_engine.config import Dsv4Config
 from dsv4_engine.device import keep_freed_host_memory, resolve_dtype, select_device
 from dsv4_engine.memory import (
     Dsv4MemoryLayout,
+    OutOfPages,
     PagedMemory,
     PoolSizes,
+    StateType,
+    dsv4_state_payloads,
 )
 from dsv4_engine.memory.sizing import fixed_pool_sizes, plan_pool_sizes, pool_bytes, table_bytes
 from dsv4_engine.memory.state_tail import cdiv
 from dsv4_engine.model import Dsv4ForCausalLM
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.sampling_params import SamplingParams
-from dsv4_engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from dsv4_engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +189,11 @@ class LLMEngine:
             log.info("decode: %d batch-size buckets warmed in %.1f s", warmed, time.perf_counter() - t0)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        # Called on the engine thread after every step's forward and sampling (PD prefill queues the
+        # pages the step finished); outputs of requests admitted between steps (PD decode's first
+        # token) go out with the next step.
+        self.step_observers: list[Callable[[SchedulerOutput, dict[str, int]], None]] = []
+        self._pending: list[StepOutput] = []
         log.info(
             "paged pools: %s, %.1f MiB; page %d, max_model_len %d, max_num_seqs %d, token budget %d",
             self.pool_sizes,
@@ -204,8 +213,15 @@ class LLMEngine:
         self.scheduler.config = dataclasses.replace(self.scheduler.config, eos_token_ids=tuple(ids))
 
     def add_request(
-        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        hold: bool = False,
     ) -> str:
+        """Queue a prompt. `hold`: keep its pages after it finishes or is aborted, until
+        `release_held` (PD prefill: a transfer may still be reading them)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -218,9 +234,8 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
-        seq = Sequence(request_id, list(prompt_token_ids), sampling_params)
-        if sampling_params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(sampling_params.seed)
+        seq = Sequence(request_id, list(prompt_token_ids), sampling_params, hold=hold)
+        seq.generator = self._generator(sampling_params)
         self.scheduler.add(seq)  # raises if its context could never fit the pools
         self.requests[request_id] = seq
         return request_id
@@ -229,8 +244,76 @@ class LLMEngine:
         if self.requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
 
+    def _generator(self, params: SamplingParams, state: torch.Tensor | None = None) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if state is not None:
+            generator.set_state(state)
+        return generator
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- PD (disagg/): every call on the engine thread -----------------------------------------
+    def payloads(self, req_idx: int, seq_len: int) -> dict[StateType, list[int]]:
+        """Page ids per state type of a request of seq_len (the same builder on both sides)."""
+        return {t: f() for t, f in dsv4_state_payloads(self.kv_pool, self.req_pool, req_idx, seq_len).items()}
+
+    def prealloc(self, prompt_len: int, *, poison: bool = False) -> tuple[int, dict[StateType, list[int]]]:
+        """PD decode: a request row and every page a prompt of prompt_len needs to continue, before
+        its state arrives; raises OutOfPages (nothing held) when the pools or rows are short.
+        `poison` fills those pages with NaN, so a page the transfer missed cannot pass unseen."""
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"prompt of {prompt_len} tokens does not fit max_model_len={self.max_model_len}")
+        req_idx = self.allocator.alloc_request()
+        if req_idx is None:
+            raise OutOfPages("no free request row")
+        try:
+            self.allocator.alloc_prealloc(req_idx, prompt_len)
+        except BaseException:
+            self.allocator.free(req_idx)
+            raise
+        pages = self.payloads(req_idx, prompt_len)
+        if poison:
+            buffers = self.kv_pool.buffers_by_type()
+            for state_type, ids in pages.items():
+                index = torch.tensor([p for p in ids if p], dtype=torch.long)
+                for buf in buffers[state_type]:
+                    buf.index_fill_(0, index.to(buf.device), float("nan"))
+        return req_idx, pages
+
+    def free_request(self, req_idx: int) -> None:
+        """Give back a pre-allocated row that never became a running request."""
+        self.allocator.free(req_idx)
+
+    def admit_transferred(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        req_idx: int,
+        first_token: int,
+        generator_state: torch.Tensor | None,
+    ) -> None:
+        """PD decode: the request's state is in `req_idx`'s pages; run it from its first token."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not 0 <= first_token < self.config.vocab_size:
+            self.allocator.free(req_idx)
+            raise ValueError(f"transferred first token {first_token} is outside the vocabulary")
+        seq = Sequence(request_id, list(prompt_token_ids), sampling_params, req_idx=req_idx)
+        seq.output_token_ids.append(first_token)
+        seq.generator = self._generator(sampling_params, generator_state)
+        done = self.scheduler.admit_resident(seq)
+        if done is None:
+            self.requests[request_id] = seq
+        self._pending.append(StepOutput(request_id, [first_token], done is not None, seq.finish_reason))
+
+    def release_held(self, request_id: str) -> None:
+        """PD prefill: the request's transfer ended; free its pages (aborting it first if it runs)."""
+        self.abort_request(request_id)
+        self.scheduler.release(request_id)
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges: num_running, num_waiting, num_preemptions, num_aborted,
@@ -239,14 +322,16 @@ class LLMEngine:
         return {k: float(v) for k, v in self.scheduler.metrics().items()}
 
     def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
         out = self.scheduler.schedule()
         if out is None:
-            if self.scheduler.has_unfinished() and not self.scheduler.running:
+            if self.scheduler.has_unfinished() and not self.scheduler.running and not self.scheduler.held:
                 raise RuntimeError("requests are waiting but none can be admitted with empty pools")
-            return []
+            return outputs
         sampled = self.runner.run(out)
+        for observe in self.step_observers:
+            observe(out, sampled)
         finished = {seq.request_id for seq in self.scheduler.postprocess(out, sampled)}
-        outputs = []
         for chunk in out.chunks:
             seq = chunk.seq
             rid = seq.request_id

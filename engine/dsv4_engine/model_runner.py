@@ -36,6 +36,9 @@ class ModelRunner:
         self.device = model.device
         self.enforce_eager = enforce_eager  # False lets a graph runner take over `decode`
         self.decode_buckets = buckets_for(max_num_seqs)
+        # Test hook: request id -> digest of the first logits row the runner computed for it (on a PD
+        # decode server, the first decode step's: it shows which state that step read).
+        self.logit_probe: dict[str, str] | None = None
 
     def _decode_mode(self) -> str:
         """`decode_mode` when set on the instance, else what `enforce_eager` and the device imply."""
@@ -122,6 +125,15 @@ class ModelRunner:
         batch = ForwardBatch.build(chunks, device=self.device)
         return self.model.compute_logits(self.model(batch))
 
+    def _probe(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        import hashlib
+
+        assert self.logit_probe is not None
+        for seq, row in zip(seqs, logits, strict=True):
+            if seq.request_id not in self.logit_probe and len(self.logit_probe) < 4096:
+                data = row.float().contiguous().cpu().numpy().tobytes()
+                self.logit_probe[seq.request_id] = hashlib.sha256(data).hexdigest()
+
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[str, int]:
@@ -144,8 +156,11 @@ class ModelRunner:
         if not sampled_chunks:
             return {}
         seqs = [c.seq for c in sampled_chunks]
+        all_logits = torch.cat(logits)
+        if self.logit_probe is not None:
+            self._probe(seqs, all_logits)
         tokens = sample(
-            torch.cat(logits),
+            all_logits,
             [s.params for s in seqs],
             [s.generator for s in seqs],  # type: ignore[misc]
         )

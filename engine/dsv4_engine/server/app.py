@@ -90,6 +90,10 @@ async def _start_serving(
     try:
         engine = await _load_in_thread(factory)
         ctx.attach(engine, asyncio.get_running_loop())
+        if ctx.settings.disaggregation_mode != "null":
+            from dsv4_engine.server import pd
+
+            await pd.setup(ctx, engine)
         log.info("engine loaded in %.1fs; warming up", time.monotonic() - started)
         await warm_up(ctx)
     except asyncio.CancelledError:
@@ -124,6 +128,11 @@ def create_app(
             loader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await loader
+            if settings.disaggregation_mode != "null":
+                from dsv4_engine.server import pd
+
+                with contextlib.suppress(Exception):
+                    await pd.shutdown(ctx)
             ctx.close()
 
     app = FastAPI(title="dsv4", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -144,6 +153,9 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if ctx.pd is not None:
+            for queue, depth in ctx.pd.depths().items():
+                ctx.metrics.pd_queue.labels(queue).set(depth)
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     def _model_card() -> dict[str, Any]:

@@ -22,6 +22,7 @@ class ServerSettings:
     max_model_len: int | None = None
     chunked_prefill_size: int | None = None
     max_num_seqs: int | None = None
+    num_pages: int | None = None
     enforce_eager: bool = True
     max_waiting: int = 256
     api_key: str | None = None
@@ -29,6 +30,10 @@ class ServerSettings:
     disaggregation_mode: str = "null"
     bootstrap_port: int | None = None
     transfer_protocol: str = "tcp"
+    bootstrap_timeout: float = 300.0
+    waiting_timeout: float = 300.0
+    heartbeat_interval: float = 5.0
+    heartbeat_failures: int = 2
     tp_size: int = 1
     ep_size: int = 1
     log_level: str = "info"
@@ -41,7 +46,7 @@ class ServerSettings:
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for LLMEngine beyond (model_path, dtype, device): only what was set."""
         kwargs: dict[str, Any] = {}
-        for name in ("page_size", "max_model_len", "chunked_prefill_size", "max_num_seqs"):
+        for name in ("page_size", "max_model_len", "chunked_prefill_size", "max_num_seqs", "num_pages"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -79,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=_positive(int))
     p.add_argument("--max-num-seqs", type=_positive(int))
     p.add_argument(
+        "--num-pages",
+        type=_positive(int),
+        help="full pages (page-size tokens each) for the KV pools instead of a share of free memory",
+    )
+    p.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -96,8 +106,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to finish in-flight requests after SIGTERM before aborting them",
     )
     p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null")
-    p.add_argument("--bootstrap-port", type=_positive(int))
-    p.add_argument("--transfer-protocol", choices=["tcp", "rdma", "ascend"], default="tcp")
+    p.add_argument(
+        "--bootstrap-port",
+        "--disaggregation-bootstrap-port",  # SGLang's spelling
+        dest="bootstrap_port",
+        type=_positive(int),
+        help="prefill: the bootstrap endpoint's port; decode: the port a request's null bootstrap_port "
+        "means (default 8998, as SGLang)",
+    )
+    p.add_argument(
+        "--transfer-protocol",
+        choices=["tcp", "rdma", "ascend"],
+        default="tcp",
+        help="Mooncake transport: tcp (CPU), rdma (GPU), ascend (NPU)",
+    )
+    p.add_argument(
+        "--disaggregation-bootstrap-timeout",
+        dest="bootstrap_timeout",
+        type=_positive(float),
+        default=300.0,
+        help="prefill: seconds a room waits for a decode server to claim it and send its pages",
+    )
+    p.add_argument(
+        "--disaggregation-waiting-timeout",
+        dest="waiting_timeout",
+        type=_positive(float),
+        default=300.0,
+        help="decode: seconds from reserving a request's pages to the end of its transfer",
+    )
+    p.add_argument(
+        "--disaggregation-heartbeat-interval",
+        dest="heartbeat_interval",
+        type=_positive(float),
+        default=5.0,
+        help="decode: seconds between health checks of each prefill bootstrap endpoint",
+    )
+    p.add_argument(
+        "--disaggregation-heartbeat-failures",
+        dest="heartbeat_failures",
+        type=_positive(int),
+        default=2,
+        help="decode: missed health checks after which a prefill server's rooms fail",
+    )
     p.add_argument("--tp-size", type=_positive(int), default=1)
     p.add_argument("--ep-size", type=_positive(int), default=1)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -10,6 +10,7 @@ reports unhealthy so that it gets restarted.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -50,6 +51,10 @@ class RequestHandle:
     observe: bool = True  # feed the latency histograms (not for warm-up and health probes)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # PD: what `abort` does instead of (or before) aborting in the engine: a prefill fails its room
+    # (its pages are freed only after the transfer), a decode cancels the transfer it waits for.
+    on_abort: Callable[[], None] | None = None
+    pd_wait: asyncio.Future[None] | None = None  # PD prefill: the response ends once this resolves
 
 
 @dataclass
@@ -57,11 +62,18 @@ class _Add:
     request_id: str
     prompt_ids: list[int]
     params: Any
+    hold: bool = False
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future[Any]
 
 
 class EngineBridge:
@@ -76,7 +88,7 @@ class EngineBridge:
         self._on_tokens = on_tokens
         self._on_step = on_step  # called on the engine thread with each step's duration
         self._cond = threading.Condition()
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
         self._pending_adds = 0
         self._handles: dict[str, RequestHandle] = {}
         self._stop = False
@@ -98,18 +110,53 @@ class EngineBridge:
         self._thread.start()
 
     def add(
-        self, request_id: str, prompt_ids: list[int], params: Any, *, arrival: float | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: Any,
+        *,
+        arrival: float | None = None,
+        hold: bool = False,
+        handle: RequestHandle | None = None,
     ) -> RequestHandle:
-        """Queue a request; its outputs arrive on the returned handle's queue."""
+        """Queue a request; its outputs arrive on the returned handle's queue (`handle`: one made by
+        `open` earlier, for a PD request that reaches the engine later)."""
+        if handle is None:
+            handle = self.open(request_id, arrival)
+        if self.dead is not None:
+            raise RuntimeError("engine is dead") from self.dead
+        with self._cond:
+            self._commands.append(_Add(request_id, prompt_ids, params, hold))
+            self._pending_adds += 1
+            self._cond.notify()
+        return handle
+
+    def open(self, request_id: str, arrival: float | None = None) -> RequestHandle:
+        """A handle that receives the engine's outputs for request_id, before the request exists."""
         if self.dead is not None:
             raise RuntimeError("engine is dead") from self.dead
         handle = RequestHandle(request_id=request_id, created=arrival or time.monotonic())
         self._handles[request_id] = handle
-        with self._cond:
-            self._commands.append(_Add(request_id, prompt_ids, params))
-            self._pending_adds += 1
-            self._cond.notify()
         return handle
+
+    def forget(self, handle: RequestHandle) -> None:
+        """Drop a handle whose request never reached the engine."""
+        handle.done = True
+        self._handles.pop(handle.request_id, None)
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
+        """Run fn(engine) on the engine thread between steps; its result or exception on the future."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        if self.dead is not None:
+            future.set_exception(RuntimeError("engine is dead"))
+            return future
+        with self._cond:
+            self._commands.append(_Call(fn, future))
+            self._cond.notify()
+        return future
+
+    async def run(self, fn: Callable[[Any], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
 
     def abort(self, handle: RequestHandle) -> None:
         """Release the request in the engine (frees its pages). Safe to call more than once."""
@@ -117,6 +164,8 @@ class EngineBridge:
             return
         handle.done = True
         self._handles.pop(handle.request_id, None)
+        if handle.on_abort is not None:
+            handle.on_abort()
         with self._cond:
             self._commands.append(_Abort(handle.request_id))
             self._cond.notify()
@@ -192,11 +241,19 @@ class EngineBridge:
         except Exception:  # metrics are best effort; never kill serving over them
             log.exception("engine.metrics() failed")
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
         engine = self.engine
-        if isinstance(cmd, _Add):
+        if isinstance(cmd, _Call):
             try:
-                engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id)
+                cmd.future.set_result(cmd.fn(engine))
+            except Exception as exc:
+                cmd.future.set_exception(exc)
+        elif isinstance(cmd, _Add):
+            try:
+                if cmd.hold:
+                    engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id, hold=True)
+                else:
+                    engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id)
             except Exception as exc:  # a request the engine refuses fails alone
                 self._post(self._fail, cmd.request_id, exc)
         else:
@@ -242,6 +299,11 @@ class EngineBridge:
             except BaseException as exc:
                 log.exception("engine step failed; the engine is now unusable")
                 self.dead = exc
+                with self._cond:
+                    for cmd in self._commands:
+                        if isinstance(cmd, _Call):
+                            cmd.future.set_exception(RuntimeError("engine is dead"))
+                    self._commands.clear()
                 self._post(self._fail_all, exc)
                 return
             self.steps += 1

@@ -123,15 +123,32 @@ class Lease:
 
 
 def start_all(
-    ctx: ServerContext, prompts: list[list[int]], params: list[Any], *, arrival: float, observe: bool = True
+    ctx: ServerContext,
+    prompts: list[list[int]],
+    params: list[Any],
+    *,
+    arrival: float,
+    observe: bool = True,
+    targets: list[Any] | None = None,
 ) -> Lease:
-    """Admit and start every sequence of one HTTP request (no await between admission and engine)."""
-    ctx.check_admission(len(prompts))
+    """Admit and start every sequence of one HTTP request (no await between admission and engine).
+    `targets`: one PdTarget per prompt on a prefill or decode server (server/pd.py)."""
+    from dsv4_engine.server import pd
+
+    try:
+        ctx.check_admission(len(prompts))
+    except ApiError as err:
+        if targets:  # a decode server that refuses tells the prefill, whose response then ends too
+            pd.abort_rooms(ctx, targets, err.code or "refused", err.message)
+        raise
     release = ctx.enter()
     handles: list[RequestHandle] = []
     try:
-        for ids, p in zip(prompts, params, strict=True):
-            handles.append(start(ctx, ids, p, arrival=arrival, observe=observe))
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            if targets:
+                handles.append(pd.start(ctx, ids, p, targets[i], arrival=arrival, observe=observe))
+            else:
+                handles.append(start(ctx, ids, p, arrival=arrival, observe=observe))
     except BaseException:
         Lease(ctx, handles, release).close()
         raise
@@ -167,6 +184,8 @@ async def outcomes(
         while True:
             event = await handle.queue.get()
             if isinstance(event, ErrorEvent):
+                if event.kind == "pd":
+                    raise _pd_api_error(event.error)
                 if event.kind == "dead":
                     raise unavailable("the engine failed; the server must be restarted", retry_after=5)
                 if event.kind == "shutdown":
@@ -184,6 +203,11 @@ async def outcomes(
             if text or event.token_ids:
                 yield Piece(text, event.token_ids)
             if final:
+                if handle.pd_wait is not None:  # PD prefill: done once the transfer ended
+                    try:
+                        await asyncio.shield(handle.pd_wait)
+                    except Exception as exc:
+                        raise _pd_api_error(exc) from exc
                 reason = event.finish_reason or "stop"
                 matched = None
                 if reason == "stop" and detok.token_ids and detok.token_ids[-1] in ended:
@@ -195,6 +219,17 @@ async def outcomes(
         raise
     finally:
         bridge.abort(handle)  # no-op when the engine already finished it
+
+
+def _pd_api_error(exc: BaseException) -> ApiError:
+    from dsv4_engine.disagg.protocol import PdError
+    from dsv4_engine.server.pd import pd_error
+
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, PdError):
+        return pd_error(exc)
+    return ApiError(500, f"PD transfer failed: {exc}", type="server_error", code="pd_failed")
 
 
 def _outcome(

@@ -81,17 +81,12 @@ def _configure_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per PD control call otherwise
 
 
 def main(argv: list[str]) -> int:
     settings = parse(argv)
     _configure_logging(settings.log_level)
-    if settings.disaggregation_mode != "null":
-        log.error(
-            "--disaggregation-mode %s needs the PD transfer layer, which this build does not include yet",
-            settings.disaggregation_mode,
-        )
-        return 2
     prime_compute_on_main_thread()
     holder: dict[str, DrainingServer] = {}
     app = create_app(settings, on_fatal=lambda exc: holder["server"].fail(exc))

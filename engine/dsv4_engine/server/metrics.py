@@ -116,6 +116,30 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
+        # PD (disagg/): what moved, how long it took, and why it failed.
+        self.pd_bytes = Counter(
+            f"{PREFIX}_pd_transfer_bytes",
+            "Bytes of paged state moved to decode servers, by state type (prefill side).",
+            ["state_type"],
+            registry=r,
+        )
+        self.pd_transfer_seconds = Histogram(
+            f"{PREFIX}_pd_transfer_seconds",
+            "Per request: from the decode's pages being known (prefill) or reserved (decode) to the "
+            "transfer's end.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.pd_handshake_seconds = Histogram(
+            f"{PREFIX}_pd_handshake_seconds",
+            "Pairing with a prefill server: route, fingerprint check, session registration (decode side).",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.pd_failures = Counter(
+            f"{PREFIX}_pd_failures", "PD requests that failed, by reason.", ["reason"], registry=r
+        )
+        self.pd_queue = Gauge(f"{PREFIX}_pd_queue_depth", "PD requests in each queue.", ["queue"], registry=r)
         self.ready = Gauge(f"{PREFIX}_server_ready", "1 when /health answers 200.", registry=r)
         self.inflight = Gauge(
             f"{PREFIX}_requests_in_flight", "Requests admitted and not yet finished.", registry=r

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
+from dsv4_engine.server import pd
 from dsv4_engine.server.errors import ApiError, bad_request
 from dsv4_engine.server.generation import (
     GenSpec,
@@ -150,7 +151,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     spec = spec_from(req)
     params = _prepare(ctx, spec, prompts, requested, "prompt", "max_tokens")
     echoes = [(p if isinstance(p, str) else ctx.tokenizer.decode(p)) if req.echo else "" for p in texts]
-    lease = start_all(ctx, prompts, params, arrival=arrival)
+    lease = start_all(ctx, prompts, params, arrival=arrival, targets=pd.targets(ctx, req, len(prompts)))
     streams = [outcomes(ctx, h, spec) for h in lease.handles]
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -263,7 +264,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     spec = spec_from(req)
     params = _prepare(ctx, spec, [ids], req.token_limit(), "messages", limit)
-    lease = start_all(ctx, [ids], params, arrival=arrival)
+    lease = start_all(ctx, [ids], params, arrival=arrival, targets=pd.targets(ctx, req, 1))
     streams = [outcomes(ctx, h, spec) for h in lease.handles]
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())

@@ -14,7 +14,6 @@ from dsv4_engine.server.errors import UNSUPPORTED_MARK
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
-_U64 = 2**64
 _I64 = 2**63
 
 
@@ -95,9 +94,10 @@ class _Sampling(_Strict):
     skip_special_tokens: bool | None = None
     sampling_seed: int | None = Field(None, ge=0, lt=_I64)
     # PD fields injected by sglang-router; the server's role decides whether they are accepted.
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = Field(None, ge=0, le=65535)
-    bootstrap_room: int | None = Field(None, ge=0, lt=_U64)
+    # Arrays for a batched prompt (one room per prompt); server/pd.py checks values and lengths.
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
     bootstrap_pair_key: str | None = None
     # Accepted only as "off".
     n: off(None, 1) = None
@@ -270,7 +270,7 @@ class GenerateRequest(_Strict):
     log_metrics: bool | None = None
     no_logs: bool | None = None
     bootstrap_host: str | list[str] | None = None
-    bootstrap_port: int | list[int] | None = None
+    bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
     bootstrap_pair_key: str | list[str] | None = None
     return_logprob: off(None, False) = None

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.background import BackgroundTask
 
+from dsv4_engine.server import pd
 from dsv4_engine.server.errors import ApiError, bad_request, unavailable
 from dsv4_engine.server.generation import (
     GenSpec,
@@ -55,6 +56,8 @@ def _ctx(request: Request) -> ServerContext:
 
 
 def server_info(ctx: ServerContext) -> dict[str, Any]:
+    from dsv4_engine.disagg.fingerprint import fingerprint_id
+
     s = ctx.settings
     snap = ctx.bridge.metrics() if ctx.bridge is not None else {}
     return {
@@ -69,7 +72,11 @@ def server_info(ctx: ServerContext) -> dict[str, Any]:
         "dp_size": 1,
         "disaggregation_mode": s.disaggregation_mode,
         "disaggregation_bootstrap_port": s.bootstrap_port,
-        "disaggregation_transfer_backend": s.transfer_protocol,
+        "disaggregation_transfer_backend": "mooncake",
+        "disaggregation_transfer_protocol": s.transfer_protocol,
+        "layout_fingerprint": ctx.fingerprint,
+        "layout_fingerprint_id": fingerprint_id(ctx.fingerprint) if ctx.fingerprint else None,
+        "pd_queues": ctx.pd.depths() if ctx.pd is not None else None,
         "page_size": s.page_size,
         "context_length": ctx.facts.max_model_len if ctx.facts else s.max_model_len,
         "chunked_prefill_size": s.chunked_prefill_size,
@@ -239,7 +246,8 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
         for p in prompts
     ]
     log_metrics = req.log_metrics is not False  # SGLang's switch, e.g. for probes
-    lease = start_all(ctx, prompts, params, arrival=arrival, observe=log_metrics)
+    targets = pd.targets(ctx, req, len(prompts))
+    lease = start_all(ctx, prompts, params, arrival=arrival, observe=log_metrics, targets=targets)
     streams = [outcomes(ctx, h, spec) for h in lease.handles]
     if req.stream:
         flags = {"metrics": log_metrics, "logs": not req.no_logs}

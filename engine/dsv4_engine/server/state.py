@@ -74,6 +74,12 @@ class ServerContext:
         self._idle = asyncio.Event()
         self._idle.set()
         self.load_error: BaseException | None = None
+        # PD (server/pd.py): the role's half of the protocol, the layout fingerprint, the transport.
+        self.pd: Any = None
+        self.fingerprint: dict[str, Any] | None = None
+        self.transport: Any = None
+        self.bootstrap_server: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- wiring ----------------------------------------------------------------------------
     def _engine_snapshot(self) -> dict[str, float]:
@@ -83,8 +89,24 @@ class ServerContext:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.facts = model_facts(engine)
-        self.bridge = EngineBridge(engine, on_tokens=self._on_tokens, on_step=self.metrics.step.observe)
+        self.bridge = EngineBridge(engine, on_tokens=self._on_tokens, on_step=self._on_step)
+        self._loop = loop
         self.bridge.start(loop)
+
+    def _on_step(self, seconds: float) -> None:  # engine thread
+        self.metrics.step.observe(seconds)
+        on_step = (
+            getattr(self.pd, "pages_may_be_free", None)
+            if self.settings.disaggregation_mode == "decode"
+            else None
+        )
+        if on_step is not None:
+            with contextlib.suppress(RuntimeError, AttributeError):  # the loop closed at shutdown
+                self._loop.call_soon_threadsafe(on_step)  # type: ignore[union-attr]
+
+    def pd_waiting(self) -> int:
+        """Decode: sequences waiting for pages before their transfer (bounded by --max-waiting)."""
+        return self.pd.queued if self.settings.disaggregation_mode == "decode" and self.pd is not None else 0
 
     def _on_tokens(self, handle: RequestHandle, event: TokenEvent) -> None:
         if not handle.observe:
@@ -122,7 +144,7 @@ class ServerContext:
             message, retry = messages[self.phase]
             raise unavailable(message, retry_after=retry, code=f"server_{self.phase.value}")
         assert self.bridge is not None
-        if self.bridge.waiting() + n > self.settings.max_waiting:
+        if self.bridge.waiting() + self.pd_waiting() + n > self.settings.max_waiting:
             self.metrics.rejected.labels("queue_full").inc()
             raise unavailable(
                 f"too many requests waiting (limit {self.settings.max_waiting}); retry later",

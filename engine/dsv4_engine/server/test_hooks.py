@@ -40,6 +40,37 @@ async def resume(request: Request) -> JSONResponse:
     return JSONResponse({"paused": False})
 
 
+@router.post("/pd/corrupt")
+async def corrupt(request: Request, state_type: str) -> JSONResponse:
+    """Prefill: add 1 to one source page of `state_type` before the next send."""
+    from dsv4_engine.memory import StateType
+
+    rooms = request.app.state.ctx.pd
+    rooms.corrupt_next = StateType(state_type)
+    return JSONResponse({"armed": state_type})
+
+
+@router.post("/pd/deaf")
+async def deaf(request: Request, on: bool = True) -> JSONResponse:
+    """Prefill: ignore decode aborts and hang-ups (while on), so a stalled prefill's write lands late."""
+    request.app.state.ctx.pd.deaf = on
+    return JSONResponse({"deaf": on})
+
+
+@router.get("/pd")
+async def pd_state(request: Request) -> JSONResponse:
+    ctx = request.app.state.ctx
+    pd = ctx.pd
+    runner = getattr(ctx.engine, "runner", None)
+    return JSONResponse(
+        {
+            "checksums": {str(k): v for k, v in (getattr(pd, "checksums", None) or {}).items()},
+            "depths": pd.depths() if pd is not None else {},
+            "logits": dict(getattr(runner, "logit_probe", None) or {}),
+        }
+    )
+
+
 @router.get("/state")
 async def state(request: Request) -> JSONResponse:
     ctx = request.app.state.ctx

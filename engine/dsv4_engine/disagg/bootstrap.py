@@ -1,0 +1,164 @@
+"""The prefill server's bootstrap endpoint: a second HTTP listener on --bootstrap-port.
+
+Its own port (not the API port) so NetworkPolicies can open it to same-deployment decode pods only.
+It runs on the server's event loop beside the API server, so room state has one owner (the loop).
+Records are kept per rank (`ranks`), so parallel prefill servers can register a Mooncake session per
+rank later without changing the protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsv4_engine.disagg.fingerprint import fingerprint_diff, fingerprint_id
+from dsv4_engine.disagg.prefill import DecodeSession, PrefillRooms
+from dsv4_engine.disagg.protocol import PdError
+from dsv4_engine.memory import StateType
+
+log = logging.getLogger("dsv4.pd.bootstrap")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SessionBody(_Body):
+    mooncake_session: str
+    dst_ptrs: dict[StateType, list[int]]
+    aux_ptr: int
+    fingerprint: dict[str, Any]
+
+
+class ClaimBody(_Body):
+    decode_id: str
+    prompt_digest: str
+
+
+class TransferBody(_Body):
+    decode_id: str
+    pages: dict[StateType, list[int]]
+    aux_index: int = Field(ge=0)
+
+
+class AbortBody(_Body):
+    decode_id: str
+    reason: str
+    message: str = ""
+
+
+def _error(err: PdError) -> JSONResponse:
+    return JSONResponse({"status": "failed", **err.body()}, status_code=err.status)
+
+
+def create_bootstrap_app(rooms: PrefillRooms, *, rank: int = 0) -> FastAPI:
+    app = FastAPI(title="dsv4-bootstrap", docs_url=None, redoc_url=None)
+    ranks = {rank: {"rank": rank, "mooncake_session": rooms.transport.session_id}}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/route")
+    async def route() -> dict[str, Any]:
+        return {
+            "fingerprint": rooms.fingerprint,
+            "fingerprint_id": fingerprint_id(rooms.fingerprint),
+            "ranks": list(ranks.values()),
+        }
+
+    @app.put("/sessions/{decode_id}")
+    async def register(decode_id: str, body: SessionBody) -> JSONResponse:
+        # Both sides compare: a decode server never takes state from a layout that differs, and a
+        # prefill server never writes into one.
+        diff = fingerprint_diff(rooms.fingerprint, body.fingerprint)
+        if diff is not None:
+            rooms.metrics.pd_failures.labels("layout_mismatch").inc()
+            return _error(
+                PdError("layout_mismatch", f"prefill refuses decode {decode_id}: {diff}", status=409)
+            )
+        rooms.register(
+            DecodeSession(decode_id, body.mooncake_session, body.dst_ptrs, body.aux_ptr, body.fingerprint)
+        )
+        log.info("decode server %s registered (Mooncake session %s)", decode_id, body.mooncake_session)
+        return JSONResponse({"status": "ok", "ranks": list(ranks.values())})
+
+    @app.put("/rooms/{room}")
+    async def claim(room: int, body: ClaimBody) -> JSONResponse:
+        try:
+            r = rooms.claim(room, body.decode_id, body.prompt_digest)
+        except PdError as err:
+            return _error(err)
+        if r.error is not None:
+            return _error(r.error)
+        return JSONResponse({"status": r.status.name.lower()})
+
+    @app.post("/rooms/{room}/transfer")
+    async def transfer(room: int, body: TransferBody, request: Request) -> JSONResponse:
+        """Held open until the room's transfer ended; a decode that hangs up fails the room."""
+        try:
+            r = rooms.set_destination(room, body.decode_id, body.pages, body.aux_index)
+        except PdError as err:
+            return _error(err)
+        assert r.result is not None
+        done = asyncio.ensure_future(asyncio.shield(r.result))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not done.done():
+            done.cancel()
+            rooms.decode_gone(r)
+            return JSONResponse({"status": "failed", "reason": "decode_gone"}, status_code=499)
+        if done.exception() is not None:
+            err = done.exception()
+            return _error(err if isinstance(err, PdError) else PdError("transfer_failed", str(err)))
+        return JSONResponse({"status": "success", "bytes": r.bytes_by_type})
+
+    @app.delete("/rooms/{room}")
+    async def abort(room: int, body: AbortBody) -> dict[str, Any]:
+        writing = rooms.abort(room, body.decode_id, body.reason, body.message or body.reason)
+        return {"status": "aborted", "writing": writing}
+
+    return app
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class BootstrapServer(uvicorn.Server):
+    """uvicorn on the API server's loop; signals stay with the API server, which drains both."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        pass
+
+
+async def serve_bootstrap(app: FastAPI, host: str, port: int) -> BootstrapServer:
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                            log_config=None)  # fmt: skip
+    server = BootstrapServer(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # re-raises the bind error
+            raise OSError(f"bootstrap server on {host}:{port} stopped before it started")
+        await asyncio.sleep(0.01)
+    server.task = task  # type: ignore[attr-defined]
+    return server

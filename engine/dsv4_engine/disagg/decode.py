@@ -1,0 +1,336 @@
+"""The decode side: pair with a prefill server, reserve pages, receive the state, admit as running.
+
+One task per PD sequence (`receive`), in order:
+1. the prefill peer: `/route` once (layout fingerprint compared: a mismatch fails the request naming
+   the field), the session registered once (destination pointers), a heartbeat on its /health;
+2. claim the room (prompt digest, checked on both sides);
+3. reserve the request's pages and tables (the decode request pool), queueing while pages are short:
+   at most `max_queued` wait, beyond that 503 with Retry-After;
+4. send the destination pages and wait for the transfer, bounded from admission by the waiting
+   timeout, and ended sooner by the heartbeat declaring the peer dead or by a connection error;
+5. admit the request as running from its transferred first token.
+Every failure after 3 gives the pages back; when a write from the prefill may still land in them
+(peer dead or stalled, abort unacknowledged) they stay quarantined for Mooncake's transfer timeout
+plus a margin first. The room is aborted at the prefill so its response ends too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import torch
+
+from dsv4_engine.disagg.fingerprint import fingerprint_diff, prompt_digest
+from dsv4_engine.disagg.protocol import AUX_BYTES, PdError, PdTarget, page_digests, unpack_aux
+from dsv4_engine.memory import OutOfPages, StateType
+
+log = logging.getLogger("dsv4.pd.decode")
+
+
+@dataclass
+class PrefillPeer:
+    address: str
+    client: httpx.AsyncClient
+    fingerprint: dict[str, Any] | None = None
+    dead: asyncio.Event = field(default_factory=asyncio.Event)
+    reason: str = ""
+    heartbeat: asyncio.Task[None] | None = None
+    ready: asyncio.Future[None] | None = None
+
+
+class DecodeReceiver:
+    def __init__(
+        self,
+        engine: Any,
+        bridge: Any,
+        transport: Any,
+        *,
+        fingerprint: dict[str, Any],
+        waiting_timeout: float,
+        heartbeat_interval: float,
+        heartbeat_failures: int,
+        quarantine: float,
+        max_queued: int,
+        metrics: Any,
+        poison: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.bridge = bridge
+        self.transport = transport
+        self.fingerprint = fingerprint
+        self.waiting_timeout = waiting_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_failures = heartbeat_failures
+        self.quarantine = quarantine
+        self.max_queued = max_queued
+        self.metrics = metrics
+        self.poison = poison
+        self.decode_id = uuid.uuid4().hex
+        self.peers: dict[str, PrefillPeer] = {}
+        self.queued = 0  # waiting for pages
+        self.receiving = 0  # pages reserved, waiting for the transfer
+        self.quarantined = 0  # requests whose pages are out of the free lists for a while
+        self.pages_freed = asyncio.Event()
+        self.checksums: dict[int, dict[str, str]] | None = {} if poison else None  # test hook
+        self._tasks: set[asyncio.Task[Any]] = set()  # fire-and-forget work, kept alive until done
+        components = engine.kv_pool.pd_state_components()
+        self.dst_ptrs = {c.state_type: c.data_ptrs for c in components}
+        rows = engine.allocator.req_pool.req_to_token.shape[0]
+        self.aux = torch.zeros((rows, AUX_BYTES), dtype=torch.uint8)
+        transport.register(
+            [p for c in components for p in c.data_ptrs] + [self.aux.data_ptr()],
+            [n for c in components for n in c.data_lens] + [self.aux.nbytes],
+        )
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def depths(self) -> dict[str, int]:
+        return {"prealloc": self.queued, "transfer": self.receiving, "quarantine": self.quarantined}
+
+    def full(self) -> bool:
+        return self.queued >= self.max_queued
+
+    def pages_may_be_free(self) -> None:
+        """Called on the loop after every engine step: pages may have been freed."""
+        self.pages_freed.set()
+
+    async def refuse(self, target: PdTarget, reason: str, message: str) -> None:
+        """Abort a room this server will not take (queue full, draining), so the prefill ends it."""
+        await self._delete(target, reason, message)
+
+    async def _delete(self, target: PdTarget, reason: str, message: str) -> bool:
+        """DELETE the room at its prefill; True if a write may still land (or nobody answered)."""
+        body = {"decode_id": self.decode_id, "reason": reason, "message": message}
+        peer = self.peers.get(target.address)
+        try:
+            if peer is not None and not peer.dead.is_set():
+                r = await peer.client.request("DELETE", f"/rooms/{target.room}", json=body, timeout=5.0)
+            else:
+                async with httpx.AsyncClient(base_url=f"http://{target.address}", timeout=5.0) as client:
+                    r = await client.request("DELETE", f"/rooms/{target.room}", json=body)
+            return bool(r.json().get("writing", True))
+        except (httpx.HTTPError, ValueError) as exc:
+            log.info("could not abort room %d at %s: %r", target.room, target.address, exc)
+            return True
+
+    # ---- peers -------------------------------------------------------------------------------
+    async def peer(self, target: PdTarget) -> PrefillPeer:
+        peer = self.peers.get(target.address)
+        if peer is not None and peer.dead.is_set():
+            self.peers.pop(target.address, None)
+            peer = None
+        if peer is None:
+            client = httpx.AsyncClient(base_url=f"http://{target.address}", timeout=httpx.Timeout(10.0))
+            peer = PrefillPeer(target.address, client)
+            peer.ready = asyncio.ensure_future(self._connect(peer))
+            self.peers[target.address] = peer
+        assert peer.ready is not None
+        try:
+            await asyncio.shield(peer.ready)
+        except PdError:
+            if self.peers.get(target.address) is peer:
+                del self.peers[target.address]
+            raise
+        return peer
+
+    async def _connect(self, peer: PrefillPeer) -> None:
+        started = time.monotonic()
+        try:
+            route = (await peer.client.get("/route")).json()
+            diff = fingerprint_diff(self.fingerprint, route["fingerprint"])
+            if diff is not None:
+                raise PdError("layout_mismatch", f"decode refuses prefill {peer.address}: {diff}")
+            body = {
+                "mooncake_session": self.transport.session_id,
+                "dst_ptrs": {str(t): p for t, p in self.dst_ptrs.items()},
+                "aux_ptr": self.aux.data_ptr(),
+                "fingerprint": self.fingerprint,
+            }
+            r = await peer.client.put(f"/sessions/{self.decode_id}", json=body)
+            if r.status_code != 200:
+                raise PdError.from_body(r.json())
+        except PdError as err:
+            self.metrics.pd_failures.labels(err.reason).inc()
+            raise
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            self.metrics.pd_failures.labels("bootstrap_unreachable").inc()
+            raise PdError(
+                "bootstrap_unreachable", f"prefill bootstrap {peer.address} unreachable: {exc}"
+            ) from exc
+        peer.fingerprint = route["fingerprint"]
+        self.metrics.pd_handshake_seconds.observe(time.monotonic() - started)
+        peer.heartbeat = asyncio.ensure_future(self._heartbeat(peer))
+
+    async def _heartbeat(self, peer: PrefillPeer) -> None:
+        misses = 0
+        while not peer.dead.is_set():
+            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                r = await peer.client.get("/health", timeout=self.heartbeat_interval)
+                misses = 0 if r.status_code == 200 else misses + 1
+            except httpx.HTTPError:
+                misses += 1
+            if misses >= self.heartbeat_failures:
+                self._declare_dead(peer, f"Lost connection with prefill instance {peer.address}")
+
+    def _declare_dead(self, peer: PrefillPeer, reason: str) -> None:
+        if peer.dead.is_set():
+            return
+        log.warning("%s: failing its rooms", reason)
+        peer.reason = reason
+        peer.dead.set()
+        if self.peers.get(peer.address) is peer:
+            del self.peers[peer.address]
+
+    async def close(self) -> None:
+        for peer in list(self.peers.values()):
+            if peer.heartbeat is not None:
+                peer.heartbeat.cancel()
+            await peer.client.aclose()
+        self.peers.clear()
+
+    # ---- one sequence ------------------------------------------------------------------------
+    async def receive(self, request_id: str, target: PdTarget, prompt_ids: list[int], params: Any) -> None:
+        """Bring the sequence's state over and admit it; raises PdError (pages already given back)."""
+        digest = prompt_digest(prompt_ids)
+        req_idx: int | None = None
+        peer: PrefillPeer | None = None
+        may_land = False  # the prefill may have our page lists, so a write may land in them
+        try:
+            peer = await self.peer(target)
+            await self._claim(peer, target, digest)
+            req_idx, pages = await self._reserve(len(prompt_ids), lambda: self._claim(peer, target, digest))
+            may_land = True
+            self.receiving += 1
+            admitted = time.monotonic()
+            try:
+                await self._transfer(peer, target, pages, req_idx)
+            finally:
+                self.receiving -= 1
+            self.metrics.pd_transfer_seconds.observe(time.monotonic() - admitted)
+            if self.checksums is not None:
+                kv = self.engine.kv_pool
+                self.checksums[target.room] = await self.bridge.run(lambda e: page_digests(kv, pages))
+            token, state = unpack_aux(self.aux[req_idx])
+            idx = req_idx
+            await self.bridge.run(
+                lambda e: e.admit_transferred(request_id, prompt_ids, params, idx, token, state)
+            )
+            req_idx = None  # the engine owns it now (its free path frees it)
+        except BaseException as exc:
+            if isinstance(exc, PdError) and exc.reason == "room_in_use":
+                raise  # someone else's room: nothing of ours to abort
+            # Tell the prefill either way, so its response ends within a step; its answer says
+            # whether a write may still land in the reserved pages.
+            writing = await self._abort_room(peer, target, exc)
+            if req_idx is not None:
+                self._release(req_idx, quarantine=may_land and writing)
+            raise
+
+    async def _claim(self, peer: PrefillPeer, target: PdTarget, digest: str) -> None:
+        try:
+            r = await peer.client.put(
+                f"/rooms/{target.room}", json={"decode_id": self.decode_id, "prompt_digest": digest}
+            )
+        except httpx.HTTPError as exc:
+            raise PdError(
+                "bootstrap_unreachable", f"claiming room {target.room} at {peer.address}: {exc}"
+            ) from exc
+        if r.status_code != 200:
+            err = PdError.from_body(r.json())
+            err.status = 400 if err.reason in ("room_in_use", "prompt_mismatch") else 502
+            raise err
+
+    async def _reserve(
+        self, prompt_len: int, renew: Callable[[], Awaitable[None]]
+    ) -> tuple[int, dict[StateType, list[int]]]:
+        """Pages and tables for the prompt; waits (queued) while the pools are short."""
+        self.queued += 1
+        try:
+            while True:
+                self.pages_freed.clear()
+                try:
+                    return await self.bridge.run(lambda e: e.prealloc(prompt_len, poison=self.poison))
+                except OutOfPages:
+                    pass
+                try:
+                    await asyncio.wait_for(self.pages_freed.wait(), self.heartbeat_interval)
+                except TimeoutError:  # still queued: renew the claim so the prefill keeps the room
+                    await renew()
+        finally:
+            self.queued -= 1
+
+    async def _transfer(
+        self, peer: PrefillPeer, target: PdTarget, pages: dict[StateType, list[int]], req_idx: int
+    ) -> None:
+        body = {
+            "decode_id": self.decode_id,
+            "pages": {str(t): p for t, p in pages.items()},
+            "aux_index": req_idx,
+        }
+        post = asyncio.ensure_future(
+            peer.client.post(
+                f"/rooms/{target.room}/transfer", json=body, timeout=httpx.Timeout(None, connect=10.0)
+            )
+        )
+        dead = asyncio.ensure_future(peer.dead.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {post, dead}, timeout=self.waiting_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            dead.cancel()
+        if post not in done:
+            post.cancel()
+            if peer.dead.is_set():
+                raise PdError("prefill_dead", peer.reason or f"prefill {peer.address} is dead")
+            raise PdError("transfer_timeout", f"no state from prefill {peer.address} for room {target.room} "
+                          f"within {self.waiting_timeout:g}s", status=504)  # fmt: skip
+        try:
+            r = post.result()
+        except httpx.HTTPError as exc:
+            # A refused or reset connection: the prefill process is gone (sooner than the heartbeat).
+            self._declare_dead(peer, f"Lost connection with prefill instance {peer.address}: {exc!r}")
+            raise PdError(
+                "prefill_dead", f"prefill {peer.address} went away during room {target.room}"
+            ) from exc
+        if r.status_code != 200 or r.json().get("status") != "success":
+            raise PdError.from_body(r.json())
+
+    async def _abort_room(self, peer: PrefillPeer | None, target: PdTarget, exc: BaseException) -> bool:
+        """Tell the prefill to give the room up; True if a write may still land (quarantine)."""
+        reason = exc.reason if isinstance(exc, PdError) else "client_gone"
+        if peer is not None and peer.dead.is_set():
+            return True  # nobody to ask: assume the worst
+        return await self._delete(target, reason, str(exc) or reason)
+
+    def _release(self, req_idx: int, *, quarantine: bool) -> None:
+        loop = asyncio.get_running_loop()
+        if not quarantine:
+            self.spawn(self._free(req_idx))
+            return
+        self.quarantined += 1
+        self.metrics.pd_failures.labels("quarantined").inc()
+        log.warning(
+            "request row %d quarantined for %.0fs (a late write may still land)", req_idx, self.quarantine
+        )
+
+        def release() -> None:
+            self.quarantined -= 1
+            self.spawn(self._free(req_idx))
+
+        loop.call_later(self.quarantine, release)
+
+    async def _free(self, req_idx: int) -> None:
+        await self.bridge.run(lambda e: e.free_request(req_idx))
+        self.pages_freed.set()

@@ -1,0 +1,443 @@
+"""The prefill side: rooms, the engine-step hook that queues each chunk's pages, the transfer worker.
+
+A room pairs two halves that arrive in either order: the prefill server's own HTTP request (prompt,
+sampling) and the decode server's claim (then its destination pages). The prompt reaches the engine
+only once the decode side has reserved its pages, so nothing is computed for a request no decode
+server can take. Then, after every engine step, `on_step` (engine thread) queues the pages that
+step finished: full-family pages (C4, C128, INDEXER) of each completed page as chunks complete, and
+with the last chunk the SWA window, the compressor-state tails and the aux slot (first token and the
+seeded generator's state). One worker thread writes them in order, one Mooncake batch per job.
+
+Ownership: the engine holds a PD request's pages (`hold=True`) after it finishes or is aborted, and
+only the worker's `close` job releases them, after every earlier write of that room returned. So a
+prefill client that hangs up mid-transfer never frees pages Mooncake is still reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsv4_engine.disagg.protocol import AUX_BYTES, PdError, PdTarget, RoomStatus, pack_aux, page_digests
+from dsv4_engine.memory import StateType
+
+log = logging.getLogger("dsv4.pd.prefill")
+
+# State types whose pages are final as soon as the chunk that filled them is done: compressed rows
+# only ever append. The SWA window and the state tails are sent with the last chunk.
+_APPEND_ONLY = (StateType.C4, StateType.C128, StateType.INDEXER)
+
+
+@dataclass
+class DecodeSession:
+    """What one decode server registered: where its buffers are, and its layout fingerprint."""
+
+    decode_id: str
+    mooncake_session: str
+    dst_ptrs: dict[StateType, list[int]]
+    aux_ptr: int
+    fingerprint: dict[str, Any]
+    dead: bool = False  # a write to it failed: later rooms fail fast until it registers again
+
+
+@dataclass
+class Room:
+    room: int
+    created: float
+    deadline: float  # until the decode sends its pages; each claim (renewed while it queues) extends it
+    status: RoomStatus = RoomStatus.BOOTSTRAPPING
+    # the prefill's own request
+    request_id: str | None = None
+    prompt_ids: list[int] | None = None
+    params: Any = None
+    digest: str | None = None
+    start: Callable[[], None] | None = None  # hands the prompt to the engine (loop side)
+    # the decode's half
+    session: DecodeSession | None = None
+    claim_digest: str | None = None
+    dst_pages: dict[StateType, list[int]] | None = None
+    dst_aux: int | None = None
+    # progress
+    started: bool = False
+    sent_pages: int = 0  # full-family pages [0, sent_pages) are queued
+    writing: bool = False  # a write of this room is in Mooncake right now (worker thread)
+    closed: bool = False
+    error: PdError | None = None
+    result: asyncio.Future[None] | None = None
+    bytes_by_type: dict[str, int] = field(default_factory=dict)
+    src_sent: dict[StateType, list[int]] = field(default_factory=dict)  # for the checksum test hook
+    transfer_started: float | None = None
+
+
+@dataclass
+class _Job:
+    room: Room
+    entries: Any  # transfer.Entries
+    nbytes: dict[str, int]
+    final: bool
+
+
+@dataclass
+class _Close:
+    room: Room
+
+
+class PrefillRooms:
+    """Rooms and sessions of one prefill server; the loop owns them, the engine and worker threads
+    only read a started room's destination and post results back through `loop`."""
+
+    def __init__(
+        self,
+        engine: Any,
+        bridge: Any,
+        transport: Any,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        fingerprint: dict[str, Any],
+        bootstrap_timeout: float,
+        metrics: Any,
+    ) -> None:
+        self.engine = engine
+        self.bridge = bridge
+        self.transport = transport
+        self.loop = loop
+        self.fingerprint = fingerprint
+        self.bootstrap_timeout = bootstrap_timeout
+        self.metrics = metrics
+        self.rooms: dict[int, Room] = {}
+        self.by_request: dict[str, Room] = {}
+        self.sessions: dict[str, DecodeSession] = {}
+        self.components = engine.kv_pool.pd_state_components()
+        self.src_ptrs = {c.state_type: c.data_ptrs for c in self.components}
+        rows = engine.allocator.req_pool.req_to_token.shape[0]
+        self.aux = torch.zeros((rows, AUX_BYTES), dtype=torch.uint8)
+        transport.register(
+            [p for c in self.components for p in c.data_ptrs] + [self.aux.data_ptr()],
+            [n for c in self.components for n in c.data_lens] + [self.aux.nbytes],
+        )
+        # Test hooks (DSV4_TEST_HOOKS): perturb one source page before the next send; keep per-room
+        # digests of the bytes sent, for comparison with the decode side's.
+        self.corrupt_next: StateType | None = None
+        self.deaf = False  # ignore the decode's aborts and hang-ups: force a late write (SIGSTOP test)
+        self.checksums: dict[int, dict[str, str]] | None = None
+        self._jobs: queue.Queue[_Job | _Close | None] = queue.Queue()
+        # Orders a room's failure against the worker starting its next write, so `abort` can tell
+        # the decode side for certain whether a write may still land in its pages.
+        self._lock = threading.Lock()
+        self._worker = threading.Thread(target=self._work, name="dsv4-pd-transfer", daemon=True)
+        self._worker.start()
+        engine.step_observers.append(self.on_step)
+
+    # ---- queue depths ------------------------------------------------------------------------
+    def depths(self) -> dict[str, int]:
+        waiting = sum(
+            1
+            for r in self.rooms.values()
+            if RoomStatus.BOOTSTRAPPING <= r.status <= RoomStatus.WAITING_FOR_INPUT
+        )
+        return {"bootstrap": waiting, "transfer": self._jobs.qsize()}
+
+    # ---- the prefill's own request (loop) -----------------------------------------------------
+    def open(
+        self,
+        target: PdTarget,
+        request_id: str,
+        prompt_ids: list[int],
+        params: Any,
+        digest: str,
+        start: Callable[[], None],
+    ) -> Room:
+        room = self.rooms.get(target.room)
+        if room is not None and room.request_id is not None:
+            raise PdError(
+                "room_in_use",
+                f"bootstrap_room {target.room} is already in use on this prefill server",
+                status=400,
+            )
+        if room is None:
+            room = self._new_room(target.room)
+        room.request_id, room.prompt_ids, room.params, room.digest = request_id, prompt_ids, params, digest
+        room.start = start
+        self.by_request[request_id] = room
+        if room.status is RoomStatus.FAILED:
+            return room  # the decode side already gave up on it: the caller sees room.error
+        if room.claim_digest is not None and room.claim_digest != digest:
+            self.fail(room, _digest_mismatch(target.room))
+        self._maybe_start(room)
+        return room
+
+    def _new_room(self, number: int) -> Room:
+        now = time.monotonic()
+        room = Room(number, now, now + self.bootstrap_timeout, result=self.loop.create_future())
+        room.result.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
+        self.rooms[number] = room
+        # A room no decode server claims (or that never gets its pages) fails and frees in bounded time.
+        self.loop.call_later(self.bootstrap_timeout, self._bootstrap_deadline, room)
+        return room
+
+    def _bootstrap_deadline(self, room: Room) -> None:
+        if room.started or room.status is RoomStatus.FAILED:
+            return
+        left = room.deadline - time.monotonic()
+        if left > 0:
+            self.loop.call_later(left, self._bootstrap_deadline, room)
+            return
+        if room.status <= RoomStatus.WAITING_FOR_INPUT:
+            what = "claimed it" if room.session is None else "sent its pages"
+            self.fail(room, PdError("bootstrap_timeout", f"no decode server {what} within "
+                                    f"{self.bootstrap_timeout:g}s (room {room.room})", status=504))  # fmt: skip
+
+    def _maybe_start(self, room: Room) -> None:
+        if room.started or room.status is RoomStatus.FAILED:
+            return
+        if room.request_id is None or room.dst_pages is None or room.start is None:
+            return
+        room.started = True
+        room.status = RoomStatus.TRANSFERRING
+        room.transfer_started = time.monotonic()
+        room.start()
+
+    # ---- the decode's half (loop, from bootstrap.py) -----------------------------------------
+    def register(self, session: DecodeSession) -> None:
+        self.sessions[session.decode_id] = session  # a re-registration clears `dead`
+
+    def claim(self, number: int, decode_id: str, digest: str) -> Room:
+        session = self.sessions.get(decode_id)
+        if session is None:
+            raise PdError("unknown_session", f"decode server {decode_id} has not registered", status=409)
+        if session.dead:
+            raise PdError("peer_dead", f"decode server {decode_id} was declared dead; it must register again")
+        room = self.rooms.get(number) or self._new_room(number)
+        if room.session is not None and room.session.decode_id != decode_id:
+            raise PdError(
+                "room_in_use", f"bootstrap_room {number} is already claimed by another decode", status=409
+            )
+        room.session, room.claim_digest = session, digest
+        room.deadline = time.monotonic() + self.bootstrap_timeout
+        if room.status is RoomStatus.BOOTSTRAPPING:
+            room.status = RoomStatus.WAITING_FOR_INPUT
+        if room.digest is not None and room.digest != digest:
+            self.fail(room, _digest_mismatch(number))
+        return room
+
+    def set_destination(
+        self, number: int, decode_id: str, pages: dict[StateType, list[int]], aux: int
+    ) -> Room:
+        room = self.rooms.get(number)
+        if room is None or room.session is None or room.session.decode_id != decode_id:
+            raise PdError(
+                "unknown_room", f"room {number} was not claimed by decode server {decode_id}", status=404
+            )
+        if room.status is RoomStatus.FAILED:
+            return room
+        if room.session.dead:
+            self.fail(room, PdError("peer_dead", f"an earlier write to decode server {decode_id} failed"))
+            return room
+        missing = [t for t in self.src_ptrs if t not in pages]
+        if missing or set(pages) - set(self.src_ptrs):
+            self.fail(room, PdError("payload_mismatch", f"decode sent pages for {sorted(map(str, pages))}, "
+                                    f"prefill has {[str(t) for t in self.src_ptrs]}"))  # fmt: skip
+            return room
+        room.dst_pages, room.dst_aux = pages, aux
+        self._maybe_start(room)
+        return room
+
+    def abort(self, number: int, decode_id: str, reason: str, message: str) -> bool:
+        """The decode side gives the room up; True if a write of it may still land there."""
+        if self.deaf:
+            return True
+        room = self.rooms.get(number)
+        if room is not None and room.session is not None and room.session.decode_id != decode_id:
+            return False  # another decode server's room
+        if room is None:
+            room = self._new_room(number)  # the prefill request may still arrive: it must fail at once
+        self.fail(room, PdError(reason, f"the decode server aborted room {number}: {message}"))
+        with self._lock:
+            return room.writing
+
+    # ---- ending a room (loop) ----------------------------------------------------------------
+    def fail(self, room: Room, error: PdError) -> None:
+        if room.status in (RoomStatus.FAILED, RoomStatus.SUCCESS):
+            return
+        log.warning("room %d failed: %s", room.room, error.message)
+        with self._lock:
+            room.status, room.error = RoomStatus.FAILED, error
+        self.metrics.pd_failures.labels(error.reason).inc()
+        assert room.result is not None
+        if not room.result.done():
+            room.result.set_exception(error)
+        if room.started:
+            self._jobs.put(_Close(room))  # after the room's queued writes; then the pages are released
+        self.loop.call_later(self.bootstrap_timeout, self._forget, room)
+
+    def _succeed(self, room: Room) -> None:
+        if room.status is RoomStatus.FAILED:
+            return
+        room.status = RoomStatus.SUCCESS
+        if room.transfer_started is not None:
+            self.metrics.pd_transfer_seconds.observe(time.monotonic() - room.transfer_started)
+        for t, n in room.bytes_by_type.items():
+            self.metrics.pd_bytes.labels(t).inc(n)
+        assert room.result is not None
+        if not room.result.done():
+            room.result.set_result(None)
+        self._forget(room)
+
+    def _forget(self, room: Room) -> None:
+        if self.rooms.get(room.room) is room and (room.closed or not room.started):
+            del self.rooms[room.room]
+            if room.request_id is not None:
+                self.by_request.pop(room.request_id, None)
+        elif room.started and not room.closed:
+            self.loop.call_later(1.0, self._forget, room)
+
+    def decode_gone(self, room: Room) -> None:
+        """The decode's transfer call hung up: its process or its network is gone, so its session is
+        dead (later rooms fail fast) until it registers again."""
+        if self.deaf:
+            return
+        if room.session is not None:
+            room.session.dead = True
+        self.fail(room, PdError("decode_gone", f"the decode server hung up on room {room.room}"))
+
+    def cancel_request(self, request_id: str, reason: str, message: str) -> None:
+        """The prefill's client went away (or the server drains past its grace): fail the room."""
+        room = self.by_request.get(request_id)
+        if room is not None:
+            self.fail(room, PdError(reason, message))
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def on_step(self, out: Any, sampled: dict[str, int]) -> None:
+        """Queue what this step finished of every started PD room (engine thread, after sampling)."""
+        page = self.engine.layout.page_size
+        for chunk in out.chunks:
+            room = self.by_request.get(chunk.seq.request_id)
+            if room is None or not room.started or room.status is RoomStatus.FAILED:
+                continue
+            seq = chunk.seq
+            final = chunk.sample
+            done_pages = -(-chunk.end // page) if final else chunk.end // page
+            try:
+                self._queue(room, seq, done_pages, final, sampled.get(seq.request_id))
+            except ValueError as err:  # transfer.PayloadMismatch: never truncate, fail the request
+                self.loop.call_soon_threadsafe(self.fail, room, PdError("payload_mismatch", str(err)))
+            except PdError as err:
+                self.loop.call_soon_threadsafe(self.fail, room, err)
+
+    def _queue(self, room: Room, seq: Any, done_pages: int, final: bool, token: int | None) -> None:
+        from dsv4_engine.disagg.transfer import Entries, plan_writes
+
+        assert room.dst_pages is not None and room.session is not None and seq.req_idx is not None
+        seq_len = len(seq.prompt_token_ids)
+        src_all = self.engine.payloads(seq.req_idx, seq_len)
+        src: dict[StateType, list[int]] = {}
+        dst: dict[StateType, list[int]] = {}
+        for t in self.src_ptrs:
+            lo, hi = (room.sent_pages, done_pages) if t in _APPEND_ONLY else (0, None)
+            if t not in _APPEND_ONLY and not final:
+                continue
+            s, d = src_all[t], room.dst_pages[t]
+            if len(s) != len(d):
+                raise PdError(
+                    "payload_mismatch", f"{t}: prefill sends {len(s)} pages, decode expects {len(d)}"
+                )
+            src[t], dst[t] = s[lo:hi], d[lo:hi]
+        if self.corrupt_next is not None and self.corrupt_next in src:
+            self._corrupt(self.corrupt_next, src[self.corrupt_next])
+        room.sent_pages = done_pages
+        if self.checksums is not None:
+            for t, pages in src.items():
+                room.src_sent.setdefault(t, []).extend(pages)
+        entries = plan_writes(self.components, room.session.dst_ptrs, src, dst)
+        nbytes = _bytes_by_type(self.components, src)
+        if final:
+            assert token is not None and room.dst_aux is not None
+            slot = self.aux[seq.req_idx]
+            pack_aux(slot, token, seq.generator)
+            entries.extend(
+                Entries.one(slot.data_ptr(), room.session.aux_ptr + room.dst_aux * AUX_BYTES, AUX_BYTES)
+            )
+        if len(entries) or final:
+            self._jobs.put(_Job(room, entries, nbytes, final))
+
+    def _corrupt(self, state_type: StateType, pages: list[int]) -> None:
+        bufs = self.engine.kv_pool.buffers_by_type()[state_type]
+        page = next((p for p in reversed(pages) if p), None)
+        if page is None:
+            return
+        self.corrupt_next = None
+        for buf in bufs:
+            buf[page] += 1.0
+        log.warning("test hook: perturbed %s page %d before the send", state_type, page)
+
+    # ---- worker thread -----------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if isinstance(job, _Close):
+                self._close(job.room)
+                continue
+            room = job.room
+            with self._lock:
+                if room.status is RoomStatus.FAILED or room.closed:
+                    continue
+                room.writing = True
+            assert room.session is not None
+            try:
+                self.transport.write(room.session.mooncake_session, job.entries)
+            except Exception as exc:  # one failed write blacklists the session until it re-registers
+                room.session.dead = True
+                err = PdError(
+                    "transfer_failed", f"writing room {room.room} to the decode server failed: {exc}"
+                )
+                self.loop.call_soon_threadsafe(self.fail, room, err)
+                continue
+            finally:
+                room.writing = False
+            for t, n in job.nbytes.items():
+                room.bytes_by_type[t] = room.bytes_by_type.get(t, 0) + n
+            if job.final:
+                if self.checksums is not None:
+                    self.checksums[room.room] = page_digests(self.engine.kv_pool, room.src_sent)
+                self._close(room)
+                self.loop.call_soon_threadsafe(self._succeed, room)
+
+    def _close(self, room: Room) -> None:
+        """Every write of the room has returned: the engine may free its pages now."""
+        if room.closed:
+            return
+        room.closed = True
+        if room.request_id is not None and room.started:
+            rid = room.request_id
+            self.bridge.call(lambda engine: engine.release_held(rid))
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._worker.join(timeout=60)
+
+
+def _digest_mismatch(room: int) -> PdError:
+    return PdError(
+        "prompt_mismatch",
+        f"room {room}: the decode and prefill servers received different prompts (token digests differ)",
+        status=400,
+    )
+
+
+def _bytes_by_type(components: list[Any], pages: dict[StateType, list[int]]) -> dict[str, int]:
+    out = {}
+    for c in components:
+        if c.state_type in pages:
+            n = sum(1 for p in pages[c.state_type] if p)
+            out[str(c.state_type)] = n * sum(c.item_lens)
+    return out

@@ -1,0 +1,129 @@
+"""What prefill and decode servers say to each other, and what both check on a PD request.
+
+The request contract is SGLang's: sglang-router sends the same body to a prefill and a decode server,
+with `bootstrap_host`, `bootstrap_port` and `bootstrap_room` (arrays for a batch, one room per
+prompt). The prefill server runs a bootstrap endpoint (bootstrap.py); the decode server talks to it:
+
+  decode                                   prefill bootstrap (HTTP, one per prefill server)
+  GET  /route                         ->   fingerprint, ranks (Mooncake session per rank)
+  PUT  /sessions/{decode_id}          ->   its fingerprint and destination buffer pointers (once)
+  PUT  /rooms/{room}                  ->   claims the room: prompt digest and length (at arrival)
+  POST /rooms/{room}/transfer         ->   destination pages per state type and aux slot; the
+                                           answer is held until the transfer ended (success/failed)
+  DELETE /rooms/{room}                ->   abort (queue full, client gone, timeout); the answer says
+                                           whether a write may still land ("writing": quarantine)
+  GET  /health                        ->   heartbeat
+
+The aux slot carries what the decode side needs to continue sampling exactly as one server would:
+the first token and the request's seeded generator state.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Bytes of one request's aux slot: int64 first token, int64 generator-state length, the state
+# (5056 bytes for torch's CPU Mersenne Twister, 16 on CUDA), padded.
+AUX_BYTES = 8192
+_AUX_HEAD = struct.Struct("<qq")
+MAX_ROOM = 2**64
+
+# Defaults of the fault bounds (SGLang's environ.py uses 300 s, 300 s, 5 s x 2).
+DEFAULT_BOOTSTRAP_TIMEOUT = 300.0  # prefill: a room no decode server claims is failed and freed
+DEFAULT_WAITING_TIMEOUT = 300.0  # decode: from admission (pages reserved) to the transfer's end
+DEFAULT_HEARTBEAT_INTERVAL = 5.0
+DEFAULT_HEARTBEAT_FAILURES = 2
+# Mooncake's own transfer timeout (MC_TRANSFER_TIMEOUT, default 30 s) plus a margin: pages of a room
+# whose peer was declared dead stay out of the free lists this long, so a late write lands nowhere live.
+QUARANTINE_MARGIN = 5.0
+
+
+class RoomStatus(enum.IntEnum):
+    """SGLang's KVPoll order: Failed < Bootstrapping < WaitingForInput < Transferring < Success."""
+
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+
+class PdError(Exception):
+    """A PD request that cannot go on; `reason` labels the failure metric, `status` the HTTP answer."""
+
+    def __init__(self, reason: str, message: str, *, status: int = 502, retry_after: int | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.status = status
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {"reason": self.reason, "message": self.message, "status": self.status}
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> PdError:
+        return cls(str(body.get("reason", "peer_error")), str(body.get("message", body)), status=502)
+
+
+@dataclass(frozen=True)
+class PdTarget:
+    """Where one prompt's state comes from (decode) or goes to (prefill): the router's three fields."""
+
+    host: str
+    port: int
+    room: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def page_digests(kv_pool: Any, pages: dict[Any, list[int]]) -> dict[str, str]:
+    """sha256 per state type of the bytes of `pages` (list order, sentinels skipped) in every buffer
+    of that type: equal on both sides exactly when the transfer copied every byte (test hook)."""
+    import hashlib
+
+    buffers = kv_pool.buffers_by_type()
+    out = {}
+    for state_type, ids in pages.items():
+        h = hashlib.sha256()
+        for buf in buffers[state_type]:
+            for page in ids:
+                if page:
+                    h.update(buf[page].contiguous().view(torch.uint8).numpy().tobytes())
+        out[str(state_type)] = h.hexdigest()
+    return out
+
+
+def quarantine_seconds(env: dict[str, str]) -> float:
+    try:
+        mc_timeout = float(env.get("MC_TRANSFER_TIMEOUT", "30"))
+    except ValueError:
+        mc_timeout = 30.0
+    return max(5.0, mc_timeout) + QUARANTINE_MARGIN
+
+
+def pack_aux(buf: torch.Tensor, first_token: int, generator: torch.Generator | None) -> None:
+    """Write one aux slot (`buf`: uint8 [AUX_BYTES])."""
+    state = generator.get_state() if generator is not None else torch.empty(0, dtype=torch.uint8)
+    n = int(state.numel())
+    if _AUX_HEAD.size + n > AUX_BYTES:
+        raise ValueError(f"generator state of {n} bytes does not fit the aux slot")
+    head = torch.frombuffer(bytearray(_AUX_HEAD.pack(first_token, n)), dtype=torch.uint8)
+    buf[: _AUX_HEAD.size].copy_(head)
+    buf[_AUX_HEAD.size : _AUX_HEAD.size + n].copy_(state.to(torch.uint8).cpu())
+
+
+def unpack_aux(buf: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """(first token, generator state or None) from one aux slot."""
+    token, n = _AUX_HEAD.unpack(bytes(buf[: _AUX_HEAD.size].tolist()))
+    if not 0 <= n <= AUX_BYTES - _AUX_HEAD.size:
+        raise PdError("bad_aux", f"aux slot holds an impossible generator-state length {n}")
+    state = buf[_AUX_HEAD.size : _AUX_HEAD.size + n].clone() if n else None
+    return int(token), state

@@ -1,0 +1,296 @@
+"""Moving a request's paged state between PD peers: write plans and the Mooncake transport.
+
+`plan_writes` pairs the sender's and the receiver's page lists (both built by `dsv4_state_payloads`
+on their own request row) index by index and turns them into Mooncake's three parallel lists, one
+entry per contiguous run of pages per buffer. `MooncakeTransport` registers the pools and performs
+the writes over Mooncake's TransferEngine (P2P handshake: no metadata server).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # only for annotations: importing this module must not pull in torch
+    from dsv4_engine.memory import StateComponent, StateType
+
+# Entries per batch_transfer_sync_write call. The TCP transport rejects a batch ("queue-full", rc -1)
+# beyond the per-peer queued + pending limits (1024 + 1024 unless raised), and the part it admitted
+# keeps the peer's queue full for ~1 s (MC_TCP_ADMISSION_TIMEOUT_MS), failing the writes after it too;
+# 1024 fits even Mooncake's own limits. Entries cost ~20-37 us each whatever their size, so calls of
+# 1024 cost nothing measurable over one big call (64 per call: ~3% slower).
+DEFAULT_MAX_ENTRIES = 1024
+
+# Set before the engine exists, only where the user has not (TcpTransport reads them when created;
+# the slice size once per process). bench/pd_transfer.py, small preset, one 4096-token request
+# (3.9 MiB), 2 shared cores, loopback, 0.3.13.post1:
+# - lanes (connections per peer, 1..16, default 4), all interleaved in one run: fragmented pools
+#   (302 entries) 0.48 / 0.59 / 0.63 GB/s for 1 / 4 / 16 lanes; fresh pools (23 entries) the same
+#   within noise (1.8-2.3 GB/s, two runs);
+# - slice (bytes a lane sends before the next, default 64 KiB): fresh pools 1.6 GB/s at 64 KiB,
+#   2.3 at 1 MiB, 2.1 at 4 MiB (three alternated runs each); peers with different slices interoperate;
+# - queue limits: 8 concurrent batches of DEFAULT_MAX_ENTRIES to one peer instead of 2.
+MOONCAKE_ENV_DEFAULTS: dict[str, str] = {
+    "MC_TCP_LANES_PER_PEER": "16",
+    "MC_TCP_SLICE_SIZE": str(1 << 20),
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "8192",
+}
+
+
+class TransferError(RuntimeError):
+    """A Mooncake call failed (initialize, register or a write)."""
+
+
+class PayloadMismatch(ValueError):
+    """Sender and receiver disagree on what a request's state is: a type, a length or a sentinel."""
+
+
+@dataclass
+class Entries:
+    """One write's entries, as Mooncake's three parallel lists (source, destination, bytes)."""
+
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    lens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def one(cls, src: int, dst: int, n: int) -> Entries:
+        """A single contiguous region of n bytes (e.g. the aux block: first token, sampler state)."""
+        if n <= 0:
+            raise ValueError(f"an entry must move at least one byte, got {n}")
+        return cls([src], [dst], [n])
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lens)
+
+    def add(self, src: int, dst: int, n: int) -> None:
+        self.src.append(src)
+        self.dst.append(dst)
+        self.lens.append(n)
+
+    def extend(self, other: Entries) -> None:
+        self.src.extend(other.src)
+        self.dst.extend(other.dst)
+        self.lens.extend(other.lens)
+
+    def split(self, max_entries: int) -> list[Entries]:
+        """Consecutive slices of at most max_entries entries (none for an empty write)."""
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        return [
+            Entries(
+                self.src[i : i + max_entries], self.dst[i : i + max_entries], self.lens[i : i + max_entries]
+            )
+            for i in range(0, len(self), max_entries)
+        ]
+
+
+# ---- planning ----------------------------------------------------------------------------------
+
+
+def contiguous_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first src page, first dst page, pages) of runs where both sides step by one.
+
+    Pairs whose pages are both 0 (the sentinel: nothing to send) are left out; they never merge two
+    runs that are not contiguous on both sides, since contiguity compares page ids.
+    """
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if s == 0 and d == 0:
+            continue
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def _check_pages(state_type: StateType, src: list[int], dst: list[int], num_pages: int) -> None:
+    if len(src) != len(dst):
+        raise PayloadMismatch(f"{state_type}: prefill sends {len(src)} pages, decode expects {len(dst)}")
+    for i, (s, d) in enumerate(zip(src, dst, strict=True)):
+        if (s == 0) != (d == 0):
+            raise PayloadMismatch(
+                f"{state_type}: index {i} of {len(src)} is page {s} on prefill and page {d} on decode "
+                "(exactly one is the sentinel 0)"
+            )
+        if not 0 <= s < num_pages:
+            raise PayloadMismatch(f"{state_type}: index {i}: prefill page {s} outside its {num_pages} pages")
+        if d < 0:
+            raise PayloadMismatch(f"{state_type}: index {i}: decode page {d} is negative")
+
+
+def _check_types(
+    src: list[StateComponent],
+    dst_ptrs: dict[StateType, list[int]],
+    src_pages: dict[StateType, list[int]],
+    dst_pages: dict[StateType, list[int]],
+) -> dict[StateType, StateComponent]:
+    for t in (*src_pages, *dst_pages):
+        if t not in src_pages:
+            raise PayloadMismatch(f"{t}: decode expects {len(dst_pages[t])} pages, prefill sends none")
+        if t not in dst_pages:
+            raise PayloadMismatch(f"{t}: prefill sends {len(src_pages[t])} pages, decode expects none")
+    comps = {c.state_type: c for c in src}
+    for t in (*comps, *dst_ptrs):
+        n_src = len(comps[t].data_ptrs) if t in comps else 0
+        n_dst = len(dst_ptrs.get(t, ()))
+        if n_src != n_dst:
+            raise PayloadMismatch(f"{t}: prefill has {n_src} buffers, decode registered {n_dst}")
+    for t in src_pages:
+        if t not in comps:
+            raise PayloadMismatch(f"{t}: {len(src_pages[t])} pages listed but neither side has its buffers")
+    return comps
+
+
+def plan_writes(
+    src: list[StateComponent],
+    dst_ptrs: dict[StateType, list[int]],
+    src_pages: dict[StateType, list[int]],
+    dst_pages: dict[StateType, list[int]],
+) -> Entries:
+    """Every entry that copies the sender's pages onto the receiver's, by exact index match.
+
+    src are the sender's pd_state_components(); dst_ptrs the receiver's buffer base pointers per type
+    (same order and count as src's, so item lengths are the same on both sides); the page lists come
+    from dsv4_state_payloads on each side. Raises PayloadMismatch rather than truncate anything.
+    """
+    comps = _check_types(src, dst_ptrs, src_pages, dst_pages)
+    out = Entries()
+    for comp in src:  # STATE_TYPE_ORDER, buffers in layer order
+        t = comp.state_type
+        if t not in src_pages:
+            continue
+        num_pages = min(n // item for n, item in zip(comp.data_lens, comp.item_lens, strict=True))
+        _check_pages(t, src_pages[t], dst_pages[t], num_pages)
+        runs = contiguous_runs(src_pages[t], dst_pages[t])
+        for src_ptr, dst_ptr, item in zip(comps[t].data_ptrs, dst_ptrs[t], comp.item_lens, strict=True):
+            for s, d, n in runs:
+                out.add(src_ptr + s * item, dst_ptr + d * item, n * item)
+    return out
+
+
+# ---- transport ---------------------------------------------------------------------------------
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def transfer_hostname(
+    host: str, protocol: str, npu_phy_id: int | None = None, *, port: int | None = None
+) -> str:
+    """The local_hostname Mooncake's initialize() takes for this protocol.
+
+    "ascend" (Mooncake over the Ascend transport, SGLang's ENABLE_ASCEND_TRANSFER_WITH_MOONCAKE) wants
+    "<host>:<port>:npu_<physical id>", port a free one on host (picked here unless given, the only
+    impure case); every other protocol takes the host as is. Peers dial "<host>:<rpc port>" either
+    way (MooncakeTransport.session_id).
+    """
+    if protocol != "ascend":
+        return host
+    if npu_phy_id is None or npu_phy_id < 0:
+        raise ValueError(f"protocol 'ascend' needs the NPU's physical id, got {npu_phy_id}")
+    return f"{host}:{_free_port(host) if port is None else port}:npu_{npu_phy_id}"
+
+
+_ASCEND_SUFFIX = re.compile(r":\d+:npu_\d+$")
+
+
+def session_host(hostname: str) -> str:
+    """The host part of a transfer_hostname(): what a session id starts with (IPv6 in brackets)."""
+    host = _ASCEND_SUFFIX.sub("", hostname)
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def apply_env_defaults(env: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+    """Set MOONCAKE_ENV_DEFAULTS where unset; returns the values in effect."""
+    for key, value in MOONCAKE_ENV_DEFAULTS.items():
+        env.setdefault(key, value)
+    return {key: env[key] for key in MOONCAKE_ENV_DEFAULTS}
+
+
+class MooncakeTransport:
+    """One Mooncake TransferEngine: registers local buffers and writes into peers' registered ones.
+
+    write() blocks the calling thread (Mooncake releases the GIL meanwhile); close() must not race a
+    write in progress.
+    """
+
+    def __init__(self, hostname: str, protocol: str = "tcp", device: str = "") -> None:
+        """hostname is initialize()'s local_hostname, i.e. transfer_hostname(host, protocol, ...)."""
+        # Imported here: the NPU and GPU builds of Mooncake differ, and importing this module must
+        # not need either.
+        from mooncake.engine import TransferEngine
+
+        apply_env_defaults()
+        self.hostname, self.protocol = hostname, protocol
+        self._engine: Any = TransferEngine()
+        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise TransferError(f"Mooncake initialize({hostname!r}, protocol={protocol!r}) returned {rc}")
+        self._session_id = f"{session_host(hostname)}:{self._engine.get_rpc_port()}"
+        self._registered: dict[int, int] = {}  # pointer -> length
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    def _live_engine(self) -> Any:
+        if self._engine is None:
+            raise TransferError(f"transport {self._session_id} is closed")
+        return self._engine
+
+    def register(self, ptrs: list[int], lens: list[int]) -> None:
+        """Make [ptr, ptr + len) regions writable by peers (and readable as sources)."""
+        if len(ptrs) != len(lens):
+            raise ValueError(f"{len(ptrs)} pointers but {len(lens)} lengths")
+        new = {p: n for p, n in zip(ptrs, lens, strict=True) if p not in self._registered}
+        if not new:
+            return
+        rc = self._live_engine().batch_register_memory(list(new), list(new.values()))
+        if rc != 0:
+            raise TransferError(f"Mooncake batch_register_memory of {len(new)} regions returned {rc}")
+        self._registered.update(new)
+
+    def write(self, peer_session: str, entries: Entries, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        """Copy every entry into the peer's registered memory; returns once all have landed."""
+        engine = self._live_engine()
+        for i, part in enumerate(entries.split(max_entries)):
+            rc = engine.batch_transfer_sync_write(peer_session, part.src, part.dst, part.lens)
+            if rc != 0:
+                raise TransferError(
+                    f"Mooncake write to {peer_session} failed (rc {rc}): batch {i + 1} of "
+                    f"{-(-len(entries) // max_entries)}, {len(part)} of {len(entries)} entries, "
+                    f"{part.nbytes} bytes"
+                )
+
+    def close(self) -> None:
+        """Unregister everything and drop the engine (its threads and sockets go with it)."""
+        if self._engine is None:
+            return
+        engine, self._engine = self._engine, None
+        if self._registered:
+            engine.batch_unregister_memory(list(self._registered))
+            self._registered = {}
+        del engine
+
+    def __enter__(self) -> MooncakeTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

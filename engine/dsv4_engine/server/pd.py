@@ -1,0 +1,240 @@
+"""The HTTP side of PD: the bootstrap fields of a request, and starting its sequences by role.
+
+A prefill or decode server takes the same body the router sends to both. Here the three bootstrap
+fields become one `PdTarget` per prompt (400 naming the field when they are missing or malformed);
+`start` hands each prompt to the role's half of the protocol (disagg/prefill.py, disagg/decode.py)
+instead of straight to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import uuid
+from typing import Any
+
+from dsv4_engine.disagg.protocol import (
+    MAX_ROOM,
+    PdError,
+    PdTarget,
+    quarantine_seconds,
+)
+from dsv4_engine.server.bridge import ErrorEvent, RequestHandle
+from dsv4_engine.server.errors import ApiError, bad_request
+from dsv4_engine.server.state import ServerContext
+
+log = logging.getLogger("dsv4.server.pd")
+
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
+_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+def _items(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise bad_request(
+                f"'{name}' has {len(value)} entries for {n} prompt(s); give one per prompt", name
+            )
+        return value
+    if n > 1:
+        raise bad_request(f"'{name}' must be a list with one entry per prompt for a batch of {n}", name)
+    return [value]
+
+
+def targets(ctx: ServerContext, req: Any, n: int) -> list[PdTarget] | None:
+    """One PdTarget per prompt on a PD server; None on a colocated one (whose fields check rejects)."""
+    mode = ctx.settings.disaggregation_mode
+    if mode == "null":
+        return None
+    for name in ("bootstrap_host", "bootstrap_room"):
+        if getattr(req, name) is None:
+            raise bad_request(
+                f"a {mode} server needs '{name}' (sglang-router adds bootstrap_host, bootstrap_port and "
+                "bootstrap_room to every request it sends)",
+                name,
+                "missing_parameter",
+            )
+    hosts = _items(req.bootstrap_host, n, "bootstrap_host")
+    ports = _items(req.bootstrap_port, n, "bootstrap_port")
+    rooms = _items(req.bootstrap_room, n, "bootstrap_room")
+    out = []
+    own = ctx.settings.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
+    for host, port, room in zip(hosts, ports, rooms, strict=True):
+        if not isinstance(host, str) or not host or any(c in host for c in "/ ?#@"):
+            raise bad_request(
+                f"bootstrap_host must be a host name or address, got {host!r}", "bootstrap_host"
+            )
+        if port is None:
+            port = own  # as SGLang: null means this server's own --bootstrap-port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise bad_request(
+                f"bootstrap_port must be an integer in [1, 65535], got {port!r}", "bootstrap_port"
+            )
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < MAX_ROOM:
+            raise bad_request(
+                f"bootstrap_room must be an integer in [0, 2**64), got {room!r}", "bootstrap_room"
+            )
+        out.append(PdTarget(host.strip("[]"), port, room))
+    if len({t.room for t in out}) != len(out):
+        raise bad_request("bootstrap_room must differ between the prompts of one request", "bootstrap_room")
+    return out
+
+
+def pd_error(err: PdError) -> ApiError:
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+    kind = (
+        "invalid_request_error"
+        if err.status == 400
+        else "service_unavailable"
+        if err.status == 503
+        else "server_error"
+    )
+    param = "bootstrap_room" if err.reason in ("room_in_use", "prompt_mismatch") else None
+    return ApiError(err.status, err.message, type=kind, param=param, code=f"pd_{err.reason}", headers=headers)
+
+
+def _fail_handle(bridge: Any, handle: RequestHandle, err: BaseException) -> None:
+    if not handle.done:
+        bridge.forget(handle)
+        handle.queue.put_nowait(ErrorEvent(err, "pd"))
+
+
+def start(
+    ctx: ServerContext, prompt_ids: list[int], params: Any, target: PdTarget, *, arrival: float, observe: bool
+) -> RequestHandle:
+    """One PD sequence: a handle whose events arrive once the role's half of the protocol runs."""
+    bridge = ctx.bridge
+    assert bridge is not None and ctx.pd is not None
+    rid = f"pd-{target.room}-{uuid.uuid4().hex[:8]}"  # the room in the id: logs and test hooks find it
+    handle = bridge.open(rid, arrival)
+    handle.prompt_len, handle.observe = len(prompt_ids), observe
+    if ctx.settings.disaggregation_mode == "prefill":
+        _start_prefill(ctx, handle, prompt_ids, params, target)
+    else:
+        _start_decode(ctx, handle, prompt_ids, params, target)
+    return handle
+
+
+def _start_prefill(
+    ctx: ServerContext, handle: RequestHandle, ids: list[int], params: Any, target: PdTarget
+) -> None:
+    from dsv4_engine.disagg.fingerprint import prompt_digest
+
+    bridge, rooms, rid = ctx.bridge, ctx.pd, handle.request_id
+    assert bridge is not None
+    # The prefill computes the first token only (sampled as a colocated server would); the decode
+    # server goes on from it.
+    first = dataclasses.replace(params, max_tokens=1)
+
+    def go() -> None:
+        bridge.add(rid, ids, first, hold=True, handle=handle)
+
+    try:
+        room = rooms.open(target, rid, ids, params, prompt_digest(ids), go)
+    except PdError as err:
+        bridge.forget(handle)
+        raise pd_error(err) from err
+    assert room.result is not None
+    handle.pd_wait = room.result
+    handle.on_abort = lambda: rooms.cancel_request(
+        rid, "client_gone", f"the prefill's client left room {target.room}"
+    )
+    room.result.add_done_callback(
+        lambda f: (
+            None if f.cancelled() or f.exception() is None else _fail_handle(bridge, handle, f.exception())
+        )
+    )
+
+
+def _start_decode(
+    ctx: ServerContext, handle: RequestHandle, ids: list[int], params: Any, target: PdTarget
+) -> None:
+    receiver = ctx.pd
+    task = asyncio.ensure_future(receiver.receive(handle.request_id, target, ids, params))
+
+    def ended(t: asyncio.Task[None]) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            _fail_handle(ctx.bridge, handle, t.exception())
+
+    task.add_done_callback(ended)
+    handle.on_abort = lambda: None if task.done() else task.cancel()
+
+
+def abort_rooms(ctx: ServerContext, rooms: list[PdTarget], reason: str, message: str) -> None:
+    """A decode server refusing a request before any handle exists tells each prefill (best effort)."""
+    if ctx.settings.disaggregation_mode != "decode" or ctx.pd is None:
+        return
+    receiver = ctx.pd
+    for target in rooms:
+        receiver.spawn(receiver.refuse(target, reason, message))
+
+
+# ---- set-up ------------------------------------------------------------------------------------
+def transfer_host(settings: Any) -> str:
+    """Mooncake's hostname: the pod IP when the operator sets POD_IP, else --host, else this host."""
+    host = os.environ.get("POD_IP") or settings.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return host
+
+
+async def setup(ctx: ServerContext, engine: Any) -> None:
+    """Build the role's half after the engine loaded: transport, fingerprint, bootstrap or receiver."""
+    from dsv4_engine.disagg.fingerprint import checkpoint_digest, layout_fingerprint
+    from dsv4_engine.disagg.transfer import MooncakeTransport, transfer_hostname
+
+    s = ctx.settings
+    loop = asyncio.get_running_loop()
+    digest = await asyncio.to_thread(checkpoint_digest, s.model)
+    ctx.fingerprint = layout_fingerprint(engine.layout, engine.kv_pool.pd_state_components(), digest)
+    transport = MooncakeTransport(
+        transfer_hostname(transfer_host(s), s.transfer_protocol), s.transfer_protocol
+    )
+    ctx.transport = transport
+    hooks = os.environ.get("DSV4_TEST_HOOKS") == "1"
+    if hooks:
+        engine.runner.logit_probe = {}
+    assert ctx.bridge is not None
+    if s.disaggregation_mode == "prefill":
+        from dsv4_engine.disagg.bootstrap import create_bootstrap_app, serve_bootstrap
+        from dsv4_engine.disagg.prefill import PrefillRooms
+
+        rooms = PrefillRooms(
+            engine, ctx.bridge, transport, loop, fingerprint=ctx.fingerprint,
+            bootstrap_timeout=s.bootstrap_timeout, metrics=ctx.metrics,
+        )  # fmt: skip
+        ctx.pd = rooms
+        if hooks:
+            rooms.checksums = {}
+        port = s.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
+        ctx.bootstrap_server = await serve_bootstrap(create_bootstrap_app(rooms), s.host, port)
+        log.info("bootstrap endpoint on %s:%d, Mooncake session %s", s.host, port, transport.session_id)
+    else:
+        from dsv4_engine.disagg.decode import DecodeReceiver
+
+        ctx.pd = DecodeReceiver(
+            engine, ctx.bridge, transport, fingerprint=ctx.fingerprint,
+            waiting_timeout=s.waiting_timeout, heartbeat_interval=s.heartbeat_interval,
+            heartbeat_failures=s.heartbeat_failures, quarantine=quarantine_seconds(dict(os.environ)),
+            max_queued=s.max_waiting, metrics=ctx.metrics, poison=hooks,
+        )  # fmt: skip
+        log.info("decode receiver %s, Mooncake session %s", ctx.pd.decode_id, transport.session_id)
+
+
+async def shutdown(ctx: ServerContext) -> None:
+    server = getattr(ctx, "bootstrap_server", None)
+    if server is not None:
+        server.should_exit = True
+        await asyncio.wait({server.task}, timeout=5)
+    if ctx.pd is not None:
+        close = getattr(ctx.pd, "close", None)
+        if close is not None:
+            await close()
+        stop = getattr(ctx.pd, "stop", None)
+        if stop is not None:
+            await asyncio.to_thread(stop)
+    if ctx.transport is not None:
+        ctx.transport.close()

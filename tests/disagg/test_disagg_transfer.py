@@ -1,0 +1,368 @@
+"""PD transfer: write plans (exact index match, merged runs, sentinels, every mismatch named), Entries,
+and real Mooncake writes between this process and a second one on 127.0.0.1 (bytes landed where
+planned and nowhere else, a batch over the per-peer limit split, dead and hung peers)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dsv4_engine.disagg.transfer import (
+    DEFAULT_MAX_ENTRIES,
+    MOONCAKE_ENV_DEFAULTS,
+    Entries,
+    MooncakeTransport,
+    PayloadMismatch,
+    TransferError,
+    apply_env_defaults,
+    contiguous_runs,
+    plan_writes,
+    session_host,
+    transfer_hostname,
+)
+from dsv4_engine.memory import StateComponent, StateType
+
+PEER = Path(__file__).with_name("transfer_peer.py")
+C4, C128, C4S = StateType.C4, StateType.C128, StateType.C4_STATE
+
+
+def comp(t: StateType, ptrs: list[int], item: int, pages: int = 16) -> StateComponent:
+    return StateComponent(t, ptrs, [pages * item] * len(ptrs), [item] * len(ptrs))
+
+
+# ---- plan_writes -------------------------------------------------------------------------------
+
+
+def test_runs_merge_and_become_one_entry_per_buffer() -> None:
+    src = [comp(C4, [1000, 5000], item=16), comp(C128, [9000], item=4)]
+    dst = {C4: [20000, 30000], C128: [40000]}
+    plan = plan_writes(
+        src, dst, {C4: [1, 2, 3, 7], C128: [2, 3]}, {C4: [4, 5, 6, 9], C128: [10, 11]}
+    )  # fmt: skip
+    # C4 runs (1->4, 3 pages), (7->9, 1 page) in each of its two buffers; C128 one run of 2.
+    assert list(zip(plan.src, plan.dst, plan.lens, strict=True)) == [
+        (1000 + 16, 20000 + 4 * 16, 48), (1000 + 7 * 16, 20000 + 9 * 16, 16),
+        (5000 + 16, 30000 + 4 * 16, 48), (5000 + 7 * 16, 30000 + 9 * 16, 16),
+        (9000 + 2 * 4, 40000 + 10 * 4, 8),
+    ]  # fmt: skip
+    assert len(plan) == 5 and plan.nbytes == 2 * 64 + 8
+
+
+def test_runs_split_wherever_either_side_jumps() -> None:
+    assert contiguous_runs([1, 2, 3, 4], [5, 6, 8, 9]) == [(1, 5, 2), (3, 8, 2)]  # decode jumps
+    assert contiguous_runs([1, 2, 5, 6], [1, 2, 3, 4]) == [(1, 1, 2), (5, 3, 2)]  # prefill jumps
+    assert contiguous_runs([4, 3], [1, 2]) == [(4, 1, 1), (3, 2, 1)]  # descending is no run
+    assert contiguous_runs([3, 3], [7, 8]) == [(3, 7, 1), (3, 8, 1)]
+
+
+def test_sentinel_pairs_are_skipped() -> None:
+    assert contiguous_runs([0, 0, 3, 4], [0, 0, 8, 9]) == [(3, 8, 2)]
+    # A skipped position between two contiguous pages leaves them one run (ids decide, not positions).
+    assert contiguous_runs([3, 0, 4], [8, 0, 9]) == [(3, 8, 2)]
+    plan = plan_writes([comp(C4S, [0], item=8)], {C4S: [100]}, {C4S: [0, 0, 0]}, {C4S: [0, 0, 0]})
+    assert len(plan) == 0 and plan.nbytes == 0
+
+
+def test_types_with_no_pages_send_nothing_and_empty_lists_are_fine() -> None:
+    src = [comp(C4, [0], item=8), comp(C128, [64], item=8)]
+    plan = plan_writes(src, {C4: [0], C128: [512]}, {C4: [], C128: [1]}, {C4: [], C128: [2]})
+    assert (plan.src, plan.dst, plan.lens) == ([64 + 8], [512 + 16], [8])
+
+
+@pytest.mark.parametrize(
+    ("src_pages", "dst_pages", "message"),
+    [
+        ({C4S: [1, 2, 3]}, {C4S: [1, 2]}, "C4_STATE: prefill sends 3 pages, decode expects 2"),
+        ({C4S: [1]}, {C4S: [1, 2]}, "C4_STATE: prefill sends 1 pages, decode expects 2"),
+        ({C4S: [1, 2]}, {}, "C4_STATE: prefill sends 2 pages, decode expects none"),
+        ({}, {C4S: [5]}, "C4_STATE: decode expects 1 pages, prefill sends none"),
+        ({C4S: [0, 3]}, {C4S: [0, 0]}, "C4_STATE: index 1 of 2 is page 3 on prefill and page 0 on decode"),
+        ({C4S: [0, 0]}, {C4S: [4, 0]}, "C4_STATE: index 0 of 2 is page 0 on prefill and page 4 on decode"),
+        ({C4S: [16]}, {C4S: [1]}, "C4_STATE: index 0: prefill page 16 outside its 16 pages"),
+        ({C4S: [1]}, {C4S: [-1]}, "C4_STATE: index 0: decode page -1 is negative"),
+    ],
+)
+def test_payload_mismatches_name_the_type_and_both_sides(
+    src_pages: dict[StateType, list[int]], dst_pages: dict[StateType, list[int]], message: str
+) -> None:
+    with pytest.raises(PayloadMismatch, match=re.escape(message)):
+        plan_writes([comp(C4S, [0], item=8)], {C4S: [0]}, src_pages, dst_pages)
+
+
+def test_buffer_count_mismatches_name_the_type_and_both_counts() -> None:
+    src = [comp(C4, [0, 64], item=8)]
+    pages = {C4: [1]}
+    with pytest.raises(PayloadMismatch, match=re.escape("C4: prefill has 2 buffers, decode registered 1")):
+        plan_writes(src, {C4: [0]}, pages, pages)
+    with pytest.raises(PayloadMismatch, match=re.escape("C128: prefill has 0 buffers, decode registered 1")):
+        plan_writes(src, {C4: [0, 64], C128: [0]}, pages, pages)
+    with pytest.raises(PayloadMismatch, match=re.escape("C4: prefill has 2 buffers, decode registered 0")):
+        plan_writes(src, {}, pages, pages)
+    with pytest.raises(PayloadMismatch, match=re.escape("C128: 1 pages listed but neither side")):
+        plan_writes(src, {C4: [0, 64]}, {**pages, C128: [1]}, {**pages, C128: [1]})
+
+
+def test_plan_matches_real_pools_and_payloads() -> None:
+    """On real pools: every planned byte range lies inside a registered buffer of both sides."""
+    import torch
+
+    from dsv4_engine.memory import Dsv4MemoryLayout, ExtendSpec, PagedMemory, PoolSizes, dsv4_state_payloads
+
+    layout = Dsv4MemoryLayout((0, 4, 128, 4), head_dim=8, index_head_dim=4, window=16, kv_dtype=torch.float32)
+    sizes = PoolSizes(full_pages=12, swa_pages=8, c4_state_pages=6, c128_state_pages=6)
+    pre, dec = (PagedMemory.build(layout, sizes, max_reqs=2, max_ctx=1024) for _ in range(2))
+    a, b = pre.allocator.alloc_request(), dec.allocator.alloc_request()
+    for lo in range(0, 700, 128):
+        pre.allocator.alloc_extend([ExtendSpec(a, lo, min(lo + 128, 700))])
+    dec.allocator.alloc_prealloc(b, 700)
+    src_pages = {t: f() for t, f in dsv4_state_payloads(pre.kv, pre.req_pool, a, 700).items()}
+    dst_pages = {t: f() for t, f in dsv4_state_payloads(dec.kv, dec.req_pool, b, 700).items()}
+    dst_comps = dec.kv.pd_state_components()
+    plan = plan_writes(
+        pre.kv.pd_state_components(), {c.state_type: c.data_ptrs for c in dst_comps}, src_pages, dst_pages
+    )
+    assert len(plan) > 0
+
+    def inside(addr: int, n: int, comps: list[StateComponent]) -> bool:
+        regions = [(p, ln) for c in comps for p, ln in zip(c.data_ptrs, c.data_lens, strict=True)]
+        return any(p <= addr and addr + n <= p + ln for p, ln in regions)
+
+    for s, d, n in zip(plan.src, plan.dst, plan.lens, strict=True):
+        assert inside(s, n, pre.kv.pd_state_components()) and inside(d, n, dst_comps)
+
+
+# ---- Entries -----------------------------------------------------------------------------------
+
+
+def test_entries_split_bounds() -> None:
+    e = Entries(list(range(5)), list(range(10, 15)), [1, 2, 3, 4, 5])
+    parts = e.split(2)
+    assert [len(p) for p in parts] == [2, 2, 1]
+    assert [x for p in parts for x in p.src] == e.src and [x for p in parts for x in p.lens] == e.lens
+    assert [len(p) for p in e.split(5)] == [5] and [len(p) for p in e.split(99)] == [5]
+    assert [len(p) for p in e.split(1)] == [1] * 5
+    assert Entries().split(DEFAULT_MAX_ENTRIES) == []
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_entries must be >= 1"):
+            e.split(bad)
+
+
+def test_entries_one_extend_nbytes() -> None:
+    e = Entries.one(100, 200, 4096)
+    e.extend(Entries([1, 2], [3, 4], [5, 6]))
+    assert (e.src, e.dst, e.lens, len(e), e.nbytes) == ([100, 1, 2], [200, 3, 4], [4096, 5, 6], 3, 4107)
+    with pytest.raises(ValueError, match="at least one byte"):
+        Entries.one(1, 2, 0)
+
+
+# ---- hostnames, env, imports -------------------------------------------------------------------
+
+
+def test_transfer_hostname() -> None:
+    assert transfer_hostname("10.0.0.7", "tcp") == "10.0.0.7"
+    assert transfer_hostname("10.0.0.7", "rdma", npu_phy_id=3) == "10.0.0.7"
+    assert transfer_hostname("10.0.0.7", "ascend", 3, port=23456) == "10.0.0.7:23456:npu_3"
+    assert re.fullmatch(r"127\.0\.0\.1:\d+:npu_0", transfer_hostname("127.0.0.1", "ascend", 0))  # a free port
+    for bad in (None, -1):
+        with pytest.raises(ValueError, match="physical id"):
+            transfer_hostname("10.0.0.7", "ascend", bad)
+
+
+def test_session_host_drops_the_ascend_suffix() -> None:
+    assert session_host("10.0.0.7") == "10.0.0.7"
+    assert session_host(transfer_hostname("10.0.0.7", "ascend", 3, port=23456)) == "10.0.0.7"
+    assert session_host("fd00::7") == "[fd00::7]"
+    assert session_host("fd00::7:23456:npu_1") == "[fd00::7]"
+
+
+def test_env_defaults_never_override_the_user() -> None:
+    env = {"MC_TCP_LANES_PER_PEER": "2"}
+    assert apply_env_defaults(env)["MC_TCP_LANES_PER_PEER"] == "2"
+    assert env == {**MOONCAKE_ENV_DEFAULTS, "MC_TCP_LANES_PER_PEER": "2"}
+
+
+def test_importing_the_module_loads_neither_mooncake_nor_torch() -> None:
+    code = "import sys, dsv4_engine.disagg.transfer; print(sorted({'mooncake', 'torch'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---- real Mooncake between two processes -------------------------------------------------------
+
+# Mooncake's own per-peer limits (so a batch over them really fails) and its shortest timeout.
+TEST_ENV = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "1024",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "1024",
+    "MC_TRANSFER_TIMEOUT": "5",
+}
+
+
+def make_transport() -> MooncakeTransport:
+    """A transport created under TEST_ENV, this process's environment left as it was afterwards (the
+    engine reads the variables when created; MooncakeTransport sets its defaults into os.environ)."""
+    saved = {k: os.environ.get(k) for k in (*TEST_ENV, *MOONCAKE_ENV_DEFAULTS)}
+    os.environ.update(TEST_ENV)
+    try:
+        return MooncakeTransport("127.0.0.1")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def sender() -> Iterator[MooncakeTransport]:
+    transport = make_transport()
+    yield transport
+    transport.close()
+
+
+@dataclass
+class Receiver:
+    proc: subprocess.Popen[str]
+    session: str
+    ptr: int
+    size: int
+
+    def dump(self, path: Path) -> bytes:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(f"dump {path}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "ok"
+        return path.read_bytes()
+
+
+FILL = 0xEE
+
+
+@pytest.fixture
+def receiver(tmp_path: Path) -> Iterator[Receiver]:
+    size = 1 << 20
+    log = (tmp_path / "peer.log").open("w")  # Mooncake's glog, for a failure's post-mortem
+    proc = subprocess.Popen(
+        [sys.executable, str(PEER), str(size), str(FILL)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **TEST_ENV},
+    )  # fmt: skip
+    assert proc.stdout
+    info = json.loads(proc.stdout.readline())  # it has registered its buffer
+    yield Receiver(proc, info["session"], info["ptr"], size)
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+    proc.wait()
+    log.close()
+
+
+class Source:
+    """Registered random bytes in this process."""
+
+    def __init__(self, size: int, transport: MooncakeTransport) -> None:
+        self.data = bytearray(os.urandom(size))
+        self._buf = (ctypes.c_uint8 * size).from_buffer(self.data)
+        self.ptr = ctypes.addressof(self._buf)
+        transport.register([self.ptr], [size])
+
+
+@pytest.fixture(scope="module")
+def source(sender: MooncakeTransport) -> Source:
+    return Source(1 << 20, sender)
+
+
+def check_landed(rx: Receiver, src: Source, plan: Entries, got: bytes) -> None:
+    """Every planned byte equals its source; every other byte of the receiver is untouched."""
+    expected = bytearray([FILL]) * rx.size
+    for s, d, n in zip(plan.src, plan.dst, plan.lens, strict=True):
+        expected[d - rx.ptr : d - rx.ptr + n] = src.data[s - src.ptr : s - src.ptr + n]
+    assert got == bytes(expected)
+
+
+def test_planned_pages_land_byte_for_byte_and_nothing_else_changes(
+    sender: MooncakeTransport, source: Source, receiver: Receiver, tmp_path: Path
+) -> None:
+    # Two types laid out in both flat buffers: C4 with two buffers of 16 pages of 1 KiB, C4_STATE one
+    # of 16 pages of 4 KiB; page lists with runs, jumps on either side and sentinels.
+    s, r = source.ptr, receiver.ptr
+    src = [comp(C4, [s, s + 16 * 1024], item=1024), comp(C4S, [s + 32 * 1024], item=4096)]
+    dst = {C4: [r + 64 * 1024, r + 96 * 1024], C4S: [r + 128 * 1024]}
+    src_pages = {C4: [1, 2, 3, 9, 10, 0, 4], C4S: [0, 0, 5, 6]}
+    dst_pages = {C4: [7, 8, 9, 2, 3, 0, 15], C4S: [0, 0, 1, 3]}
+    plan = plan_writes(src, dst, src_pages, dst_pages)
+    plan.extend(Entries.one(s + 200 * 1024, r + 1000, 3000))  # an aux block
+    assert len(plan) == 2 * 3 + 2 + 1
+    sender.write(receiver.session, plan)
+    check_landed(receiver, source, plan, receiver.dump(tmp_path / "dump"))
+
+
+def test_a_batch_over_the_per_peer_limit_succeeds_split(
+    sender: MooncakeTransport, source: Source, receiver: Receiver, tmp_path: Path
+) -> None:
+    # 3000 isolated 64-byte pages (no two merge): over the 1024 + 1024 the transport admits at once.
+    src = [comp(C4, [source.ptr], item=64, pages=6001)]
+    plan = plan_writes(
+        src, {C4: [receiver.ptr]}, {C4: list(range(1, 6001, 2))}, {C4: list(range(2, 6002, 2))}
+    )  # fmt: skip
+    assert len(plan) == 3000 > 2048
+    sender.write(receiver.session, plan)
+    check_landed(receiver, source, plan, receiver.dump(tmp_path / "dump"))
+    # The split is what made it work: in one call the same batch is refused. (Last: a refused batch
+    # keeps the peer's queue full for a while.)
+    with pytest.raises(TransferError, match=r"rc -1\): batch 1 of 1, 3000 of 3000 entries"):
+        sender.write(receiver.session, plan, max_entries=len(plan))
+
+
+def test_write_to_a_killed_peer_raises(sender: MooncakeTransport, source: Source, receiver: Receiver) -> None:
+    one = Entries.one(source.ptr, receiver.ptr, 4096)
+    sender.write(receiver.session, one)  # connected
+    receiver.proc.kill()
+    receiver.proc.wait()
+    with pytest.raises(TransferError, match=re.escape(f"write to {receiver.session} failed")):
+        sender.write(receiver.session, one)
+
+
+@pytest.mark.timeout(60)
+def test_write_to_a_hung_peer_times_out_without_holding_the_gil(
+    sender: MooncakeTransport, source: Source, receiver: Receiver
+) -> None:
+    one = Entries.one(source.ptr, receiver.ptr, 256 << 10)
+    sender.write(receiver.session, one)
+    receiver.proc.send_signal(signal.SIGSTOP)  # alive, connected, never acknowledges: the timeout's case
+    started, errors = threading.Event(), []
+
+    def write() -> None:
+        started.set()
+        try:
+            sender.write(receiver.session, one)
+        except TransferError as e:
+            errors.append(e)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    started.wait()
+    # This thread runs Python while the write blocks: Mooncake released the GIL (the write cannot
+    # finish before the 5 s MC_TRANSFER_TIMEOUT, and until then only a released GIL lets us get here).
+    assert sum(range(1000)) == 499500 and writer.is_alive()
+    writer.join(timeout=50)
+    assert not writer.is_alive() and len(errors) == 1, errors
+
+
+def test_close_is_idempotent_and_a_closed_transport_refuses_writes() -> None:
+    transport = make_transport()
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", transport.session_id)
+    Source(4096, transport)
+    transport.close()
+    transport.close()
+    with pytest.raises(TransferError, match="closed"):
+        transport.write("127.0.0.1:1", Entries.one(1, 2, 3))
