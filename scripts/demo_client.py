@@ -1,54 +1,79 @@
-"""Wait for a dsv4 server to be ready, then talk to it with the official openai client."""
+"""Talk to a dsv4 endpoint with the official openai client, once it is ready.
+
+    demo_client.py --up-output FILE --pid PID    # the endpoint `dsv4 up` prints into FILE (its output)
+    demo_client.py --base-url URL [--pid PID]    # a router or server at URL, ready when /health says so
+
+--pid names the process whose exit means the endpoint will never come (dsv4 up, or a server).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 from openai import OpenAI
 
+ENDPOINT = re.compile(r"^dsv4 up: endpoint (\S+)", re.MULTILINE)  # the line dsv4 up prints when ready
+POLL_SECONDS = 0.2  # polling a readiness signal, not synchronising on time
 
-def wait_ready(base_url: str, server_pid: int | None, timeout: float) -> None:
-    health = base_url.removesuffix("/v1") + "/health"
+
+def gone(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def wait_for(probe: Callable[[], str | None], what: str, pid: int | None, timeout: float) -> str:
+    """Poll `probe()` until it returns a value; give up when `pid` exits or after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server_pid is not None:
-            try:
-                os.kill(server_pid, 0)
-            except ProcessLookupError:
-                sys.exit("demo: the server exited before it became ready")
-        try:
-            if httpx.get(health, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)  # polling a readiness probe, not synchronising on time
-    sys.exit(f"demo: {health} not ready after {timeout:.0f}s")
+        found = probe()
+        if found:
+            return found
+        if gone(pid):
+            sys.exit(f"demo: process {pid} exited before {what}")
+        time.sleep(POLL_SECONDS)
+    sys.exit(f"demo: no {what} after {timeout:.0f}s")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--base-url", required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--server-pid", type=int)
-    parser.add_argument("--timeout", type=float, default=300)
-    args = parser.parse_args()
+def endpoint_in(output: Path) -> str | None:
+    try:
+        match = ENDPOINT.search(output.read_text(errors="replace"))
+    except OSError:
+        return None
+    return match.group(1) if match else None
 
-    wait_ready(args.base_url, args.server_pid, args.timeout)
-    client = OpenAI(base_url=args.base_url, api_key=os.environ.get("DSV4_API_KEY", "none"))
+
+def healthy(base_url: str) -> str | None:
+    try:
+        ok = httpx.get(base_url.removesuffix("/v1") + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return None
+    return base_url if ok else None
+
+
+def converse(base_url: str, model: str) -> None:
+    client = OpenAI(base_url=base_url, api_key=os.environ.get("DSV4_API_KEY", "none"))
     print("models:", [m.id for m in client.models.list().data])
 
     messages = [{"role": "user", "content": "Say hello to the cluster."}]
-    reply = client.chat.completions.create(model=args.model, messages=messages, max_tokens=24, temperature=0)
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
     print("chat:", repr(reply.choices[0].message.content), "| finish:", reply.choices[0].finish_reason)
     print("usage:", reply.usage.model_dump())
 
     print("stream: ", end="", flush=True)
     stream = client.chat.completions.create(
-        model=args.model, messages=messages, max_tokens=24, temperature=0, stream=True
+        model=model, messages=messages, max_tokens=24, temperature=0, stream=True
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -58,10 +83,30 @@ def main() -> None:
     # A random model ends early when it happens to sample EOS; ignore_eos (an SGLang/vLLM extension
     # the server honours) shows a full-length completion.
     text = client.completions.create(
-        model=args.model, prompt="The cluster", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        model=model, prompt="The cluster", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
     )
     print("completion:", repr(text.choices[0].text), "| tokens:", text.usage.completion_tokens)
     print("(a random tiny model: the words are noise; the serving path is real)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--base-url", help="an OpenAI base URL (.../v1)")
+    where.add_argument("--up-output", type=Path, help="a file receiving dsv4 up's output")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--pid", type=int, help="give up when this process exits")
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args()
+
+    if args.up_output is not None:
+        base_url = wait_for(lambda: endpoint_in(args.up_output), "dsv4 up's endpoint", args.pid, args.timeout)
+    else:
+        base_url = wait_for(
+            lambda: healthy(args.base_url), f"{args.base_url} healthy", args.pid, args.timeout
+        )
+    print("endpoint:", base_url)
+    converse(base_url, args.model)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: install, write the tiny model, serve it with the OpenAI-compatible
-# server on 127.0.0.1, and show it answering through the official openai client.
+# The main job on a fresh machine: install, start the local PD cluster with `dsv4 up` (the bundled CPU
+# example: one prefill and one decode server on the tiny model, made on first use, paired behind
+# sglang-router on 127.0.0.1), ask it through the router with the official openai client, then stop it
+# with SIGTERM: it drains and must exit 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source .venv/bin/activate
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 
-cache=${XDG_CACHE_HOME:-$HOME/.cache}/dsv4
-model=${DSV4_DEMO_MODEL:-$cache/models/tiny-seed0}
-[[ -f "$model/config.json" ]] || dsv4 make-tiny "$model" --preset tiny --seed 0
-port=${DSV4_DEMO_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+run=$(mktemp -d)
+# Free ports, so the demo runs beside anything already listening on the spec's (8000, 30000, ...).
+echo "== dsv4 up --ports free"
+dsv4 up --ports free > >(tee "$run/up.out") 2>&1 &
+up=$!
+trap 'kill -TERM $up 2>/dev/null || true; wait $up 2>/dev/null || true; rm -rf "$run"' EXIT
+python scripts/demo_client.py --up-output "$run/up.out" --pid "$up" --model dsv4-tiny
 
-echo "== dsv4 serve --model $model --port $port"
-dsv4 serve --model "$model" --served-model-name dsv4-tiny --host 127.0.0.1 --port "$port" &
-server=$!
-trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-python scripts/demo_client.py --base-url "http://127.0.0.1:$port/v1" --model dsv4-tiny --server-pid "$server"
+echo "== kill -TERM $up (dsv4 up drains the servers, then stops the router)"
+kill -TERM "$up"
+status=0
+wait "$up" || status=$?
+trap 'rm -rf "$run"' EXIT
+if [[ $status -ne 0 ]]; then
+    echo "dsv4 up exited with status $status" >&2
+    exit 1
+fi
+echo "== dsv4 up exited 0"

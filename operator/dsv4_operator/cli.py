@@ -11,6 +11,7 @@ import sys
 
 # name -> (module, function, one-line help). The function takes the remaining argv.
 COMMANDS: dict[str, tuple[str, str, str]] = {
+    "up": ("dsv4_operator.up", "main", "run a Dsv4Deployment as local processes (a PD cluster on 127.0.0.1)"),
     "render": ("dsv4_operator.render", "main", "print the Kubernetes objects that realise a Dsv4Deployment"),
     "operator": ("dsv4_operator.run", "main", "run the operator (kopf) against the current cluster"),
     "serve": ("dsv4_engine.cli", "serve_main", "serve one model with the OpenAI-compatible API"),

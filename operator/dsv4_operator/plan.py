@@ -123,9 +123,10 @@ def serve_args(
         "--transfer-protocol", eng.transfer_protocol,
         "--tp-size", str(rs.tensor_parallel_size),
         "--ep-size", str(rs.expert_parallel_size),
+        # Prefill: its bootstrap endpoint. Decode: what a request's null bootstrap_port means (the
+        # router sends null when it has no port for the prefill), so both roles carry it.
+        "--bootstrap-port", str(bootstrap_port),
     ]  # fmt: skip
-    if role == "prefill":
-        args += ["--bootstrap-port", str(bootstrap_port)]
     return args
 
 
@@ -137,17 +138,20 @@ def router_policy_args(dep: Dsv4Deployment) -> list[str]:
 def router_args(
     dep: Dsv4Deployment,
     *,
+    host: str,
     port: int,
+    metrics_port: int,
     tokenizer_path: str,
     discovery: list[str],
     api_key: str | None,
     startup_timeout_seconds: int,
 ) -> list[str]:
-    """Arguments of sglang-router 0.3.2's launch_router. `discovery` says how servers are found:
-    service-discovery flags on Kubernetes, `--prefill URL PORT --decode URL` locally."""
+    """Arguments of sglang-router 0.3.2's launch_router, listening (and serving metrics) on `host`.
+    `discovery` says how servers are found: service-discovery flags on Kubernetes,
+    `--prefill URL PORT --decode URL` locally."""
     r = dep.spec.router
     args = [
-        "--host", "0.0.0.0",
+        "--host", host,
         "--port", str(port),
         *router_policy_args(dep),
         *discovery,
@@ -155,8 +159,8 @@ def router_args(
         "--worker-startup-timeout-secs", str(startup_timeout_seconds),
         "--request-timeout-secs", str(r.request_timeout_seconds),
         "--health-check-endpoint", "/health",
-        "--prometheus-host", "0.0.0.0",
-        "--prometheus-port", str(r.metrics_port),
+        "--prometheus-host", host,
+        "--prometheus-port", str(metrics_port),
         "--log-level", "info",
     ]  # fmt: skip
     if api_key is not None:
@@ -213,7 +217,9 @@ def plan(
         args=tuple(
             router_args(
                 dep,
+                host="0.0.0.0",
                 port=spec.router.port,
+                metrics_port=spec.router.metrics_port,
                 tokenizer_path=path,
                 discovery=discovery,
                 api_key="$(DSV4_API_KEY)" if spec.api_key_secret else None,

@@ -150,7 +150,7 @@ def test_worker_statefulsets(minimal: dict[str, Any]) -> None:
         assert args["--disaggregation-mode"] == role
         assert args["--model"] == "/models/DeepSeek-V4"
         assert (args["--tp-size"], args["--ep-size"], args["--transfer-protocol"]) == ("8", "1", "ascend")
-        assert ("--bootstrap-port" in args) == (role == "prefill")
+        assert args["--bootstrap-port"] == "8998"  # decode: the port a null bootstrap_port means
         ports = {x["name"]: x["containerPort"] for x in c["ports"]}
         assert ports == ({"http": 30000, "bootstrap": 8998} if role == "prefill" else {"http": 30000})
         assert c["resources"]["limits"]["huawei.com/Ascend910"] == "8"

@@ -1,0 +1,125 @@
+"""`dsv4 up` end to end: one prefill, one decode and the router on 127.0.0.1, asked through the router
+with the official openai client; SIGTERM with a stream in flight drains it and exits 0; a process
+that dies stops the rest and exits 1 with its last log lines.
+
+The in-flight stream is held open by pausing the decode server's engine between steps (the
+DSV4_TEST_HOOKS routes, which dsv4 up's children inherit), so the drain is observed while the
+request is certainly unfinished.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+CHAT = [{"role": "user", "content": "Say hello to the cluster."}]
+TOKENS = 12
+HELD_TOKENS = 24
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+
+
+def engine(base: str) -> dict[str, Any]:
+    return httpx.get(f"{base}/debug/state", timeout=10).json()["engine"]
+
+
+def health(base: str) -> int:
+    try:
+        return httpx.get(f"{base}/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def test_up_serves_through_the_router_and_drains_on_sigterm(
+    tiny_model: Path, spec_for: Any, up: Any, until: Any, alive: Any
+) -> None:
+    run = up(spec_for(tiny_model))
+    url = run.endpoint()
+    children = run.children()
+    assert set(children) == {"prefill-0", "decode-0", "router"}
+    c = client(url)
+    assert [m.id for m in c.models.list().data] == ["dsv4-tiny"]
+    greedy = {"max_tokens": TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    reply = c.chat.completions.create(model="dsv4-tiny", messages=CHAT, **greedy)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == TOKENS
+    stream = c.chat.completions.create(model="dsv4-tiny", messages=CHAT, stream=True, **greedy)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == (
+        reply.choices[0].message.content
+    )
+
+    decode = children["decode-0"][1]
+    assert httpx.post(f"{decode}/debug/pause", timeout=120).json()["paused"]
+    result: dict[str, Any] = {"pieces": [], "finish": None, "usage": None}
+
+    def in_flight() -> None:
+        held = c.chat.completions.create(
+            model="dsv4-tiny",
+            messages=CHAT,
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=HELD_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        for ch in held:
+            if ch.choices:
+                result["pieces"].append(ch.choices[0].delta.content or "")
+                result["finish"] = ch.choices[0].finish_reason or result["finish"]
+            if ch.usage:
+                result["usage"] = ch.usage.completion_tokens
+
+    worker = threading.Thread(target=in_flight, daemon=True)
+    worker.start()
+    until(lambda: engine(decode).get("num_running") == 1, 120, "the request to run on the paused decode")
+    run.proc.send_signal(signal.SIGTERM)
+    run.wait_line(r"decode-0 +stopping", 60)
+    until(lambda: health(decode) == 503, 60, "the decode server to drain")
+    assert worker.is_alive(), "the stream ended while the decode engine was paused"
+    assert run.proc.poll() is None, "dsv4 up exited with a request in flight"
+    httpx.post(f"{decode}/debug/resume", timeout=30).raise_for_status()
+    worker.join(180)
+    assert not worker.is_alive()
+    assert result["usage"] == HELD_TOKENS and result["finish"] == "length"  # ran to its end, not aborted
+    assert run.wait(180) == 0, run.output
+    assert "dsv4 up: stopped" in run.output
+    assert not [name for name, (pid, _) in children.items() if alive(pid)]
+
+
+def test_a_server_failing_to_load_stops_everything_with_its_log(
+    tmp_path: Path, spec_for: Any, up: Any, alive: Any
+) -> None:
+    bogus = tmp_path / "bogus"
+    bogus.mkdir()
+    (bogus / "config.json").write_text("{}")  # a checkpoint directory the engine cannot load
+    run = up(spec_for(bogus))
+    assert run.wait(180) == 1, run.output
+    out = run.output
+    assert "router" not in run.children(), out  # never started: its servers never became healthy
+    assert "config has neither" in out, out  # the failing server's own last log lines
+    assert not [name for name, (pid, _) in run.children().items() if alive(pid)]
+
+
+def test_a_process_that_dies_later_stops_the_rest(
+    tiny_model: Path, tmp_path: Path, spec_for: Any, up: Any, alive: Any
+) -> None:
+    run = up(spec_for(tiny_model))
+    run.endpoint()
+    children = run.children()
+    decode_pid = children["decode-0"][0]
+    os.kill(decode_pid, signal.SIGKILL)
+    assert run.wait(180) == 1, run.output
+    out = run.output
+    assert "decode-0 exited (killed by SIGKILL) while healthy; last lines of" in out, out
+    log = (tmp_path / "logs" / "decode-0.log").read_text().splitlines()
+    assert f"  | {log[-1]}" in out  # its last log line, as written
+    assert re.search(r"prefill-0 +stopped", out) and re.search(r"router +stopped", out), out
+    assert not [name for name, (pid, _) in children.items() if alive(pid)]
