@@ -215,3 +215,90 @@ def pd() -> Any:
     return types.SimpleNamespace(
         send_pair=send_pair, pd_body=pd_body, settle=settle, wait_healthy=wait_healthy, wait_until=wait_until
     )
+
+
+# ---- sglang-router 0.3.2 in front of PD servers (tests/disagg/test_router_faults.py) -------------
+ROUTER_START_TIMEOUT = 60.0
+
+
+class Router:
+    """One `python -m sglang_router.launch_router --pd-disaggregation` process on 127.0.0.1.
+
+    Logs at debug level: each attempt is a line `PD retry attempt N using prefill=URL decode=URL`,
+    which `attempts()` returns, so a test can tell which pair the router tried."""
+
+    def __init__(
+        self, log_dir: Path, name: str, prefills: list[Server], decodes: list[Server], *args: str
+    ) -> None:
+        self.name = name
+        self.port = free_port()
+        self.log_path = log_dir / f"router-{name}.log"
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--prometheus-port", str(free_port())]
+        cmd += ["--log-level", "debug"]
+        for p in prefills:
+            cmd += ["--prefill", p.base, str(p.bootstrap_port)]
+        for d in decodes:
+            cmd += ["--decode", d.base]
+        cmd += list(args)
+        self.expected = len(prefills) + len(decodes)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        import re
+
+        return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))
+
+    def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"router {self.name} exited {self.proc.returncode}:\n{self.log()[-4000:]}")
+        try:
+            r = httpx.get(f"{self.base}/readiness", timeout=2)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200 and r.json().get("healthy_workers") == self.expected
+
+    def healthy(self, server: Server) -> bool:
+        """The router's own view of one worker (its health checker's verdict)."""
+        workers = httpx.get(f"{self.base}/workers", timeout=5).json()["workers"]
+        return next(w["is_healthy"] for w in workers if w["url"] == server.base)
+
+    def attempts(self) -> list[tuple[int, str, str]]:
+        """(attempt number, prefill URL, decode URL) of every dispatch so far, in order."""
+        import re
+
+        pattern = r"PD retry attempt (\d+) using prefill=(\S+) decode=(\S+)"
+        return [(int(n), p, d) for n, p, d in re.findall(pattern, self.log())]
+
+    def client(self, timeout: float) -> Any:
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # nothing to drain: the tests' clients have all been answered
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Router]]:
+    """Start routers (`router(name, prefills, decodes, *flags)`), ready once every worker is healthy
+    in the router's view; every one is stopped when the module ends."""
+    log_dir = tmp_path_factory.mktemp("router-logs")
+    started: list[Router] = []
+
+    def make(name: str, prefills: list[Server], decodes: list[Server], *args: str) -> Router:
+        r = Router(log_dir, name, prefills, decodes, *args)
+        started.append(r)
+        wait_until(r.ready, ROUTER_START_TIMEOUT, f"router {name} to see its {r.expected} workers healthy")
+        return r
+
+    yield make
+    for r in started:
+        r.stop()

@@ -128,6 +128,26 @@ def test_full_decode_queues_to_its_bound_then_503(s: dict[str, Any], pd: Any, po
     pd.settle(P, D, initial=s["initial"])
 
 
+def test_a_preempted_pd_request_is_recomputed_not_lost(s: dict[str, Any], pd: Any, pool: Any) -> None:
+    # Two 630-token prompts take all 10 of DS's full pages (5 each); held until both are resident,
+    # their first decode steps past position 640 need an 11th page, so one is preempted and must be
+    # recomputed on the decode server from its prompt and outputs.
+    P, D = s["PF"], s["DS"]
+    asks = [{**PROMPT, "prompt": random_ids(630, seed=20 + i), "max_tokens": 24} for i in range(2)]
+    want = [pd.send_pair(P, s["DF"], pd.pd_body(P, a))[1].json()["choices"][0]["text"] for a in asks]
+    before = D.engine()["num_preemptions"]
+    D.pause()
+    try:
+        futures = [pool.submit(pd.send_pair, P, D, pd.pd_body(P, a)) for a in asks]
+        pd.wait_until(lambda: D.engine()["num_running"] == 2, 120, "both requests to be admitted")
+    finally:
+        D.resume()
+    outs = [f.result(timeout=300)[1] for f in futures]
+    assert [o.json()["choices"][0]["text"] for o in outs] == want
+    assert D.engine()["num_preemptions"] > before
+    pd.settle(P, D, initial=s["initial"])
+
+
 def _held_open(P: Any, D: Any, pd: Any, pool: Any, b: dict[str, Any]) -> tuple[Any, Any]:
     """Start a pair with P paused: the decode has reserved and sent its pages, nothing is written."""
     P.pause()
@@ -136,34 +156,19 @@ def _held_open(P: Any, D: Any, pd: Any, pool: Any, b: dict[str, Any]) -> tuple[A
     return fp, fd
 
 
-def test_decode_client_disconnect_frees_both(s: dict[str, Any], pd: Any, pool: Any) -> None:
+@pytest.mark.parametrize("leg", ["decode", "prefill"])
+def test_a_client_that_leaves_either_leg_frees_both(s: dict[str, Any], pd: Any, pool: Any, leg: str) -> None:
     P, D = s["PF"], s["DF"]
+    gone, other = (D, P) if leg == "decode" else (P, D)
     b = body(P, pd, stream=True)
     P.pause()
     try:
-        fp = pool.submit(post, P, b)
-        with httpx.stream("POST", f"{D.base}/v1/completions", json=b, timeout=60) as r:
+        answer = pool.submit(post, other, b)
+        with httpx.stream("POST", f"{gone.base}/v1/completions", json=b, timeout=60) as r:
             assert r.status_code == 200
             pd.wait_until(lambda: depth(D, "transfer") == 1, 60, "the decode to wait for the transfer")
-        # closing the stream hung up on the decode server: it aborts the room at the prefill
-        answer = fp.result(timeout=60)
-        assert "pd_client_gone" in answer.text, answer.text
-    finally:
-        P.resume()
-    pd.settle(P, D, initial=s["initial"])
-
-
-def test_prefill_client_disconnect_frees_both(s: dict[str, Any], pd: Any, pool: Any) -> None:
-    P, D = s["PF"], s["DF"]
-    b = body(P, pd, stream=True)
-    P.pause()
-    try:
-        fd = pool.submit(post, D, b)
-        with httpx.stream("POST", f"{P.base}/v1/completions", json=b, timeout=60) as r:
-            assert r.status_code == 200
-            pd.wait_until(lambda: depth(D, "transfer") == 1, 60, "the decode to wait for the transfer")
-        answer = fd.result(timeout=60)
-        assert "pd_client_gone" in answer.text, answer.text  # the decode's client hears why
+        # Closing the stream hung up on one server; the other side's client hears why.
+        assert "pd_client_gone" in answer.result(timeout=60).text
     finally:
         P.resume()
     pd.settle(P, D, initial=s["initial"])
@@ -219,6 +224,7 @@ def test_vanished_decode_frees_the_prefill_and_a_restart_pairs_again(
     s: dict[str, Any], pd: Any, pool: Any
 ) -> None:
     P, D = s["PF"], s["DX"]
+    dead_id = D.get("/debug/pd")["decode_id"]
     try:
         fp, _ = _held_open(P, D, pd, pool, body(P, pd))
         D.kill()
@@ -227,6 +233,11 @@ def test_vanished_decode_frees_the_prefill_and_a_restart_pairs_again(
     finally:
         P.resume()
     pd.settle(P, initial=s["initial"])
+    # Later rooms for the dead session fail fast, until that decode registers again.
+    claim = httpx.put(
+        f"http://127.0.0.1:{P.bootstrap_port}/rooms/7", json={"decode_id": dead_id, "prompt_digest": "x"}
+    )
+    assert claim.status_code == 502 and claim.json()["reason"] == "peer_dead", claim.text
     D.start()
     pd.wait_healthy(D)
     p, d = pd.send_pair(P, D, body(P, pd))

@@ -25,10 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import torch
 
 from dsv4_engine.disagg.fingerprint import fingerprint_diff, prompt_digest
-from dsv4_engine.disagg.protocol import AUX_BYTES, PdError, PdTarget, page_digests, unpack_aux
+from dsv4_engine.disagg.protocol import PdError, PdTarget, page_digests, register_state, unpack_aux
 from dsv4_engine.memory import OutOfPages, StateType
 
 log = logging.getLogger("dsv4.pd.decode")
@@ -80,14 +79,9 @@ class DecodeReceiver:
         self.pages_freed = asyncio.Event()
         self.checksums: dict[int, dict[str, str]] | None = {} if poison else None  # test hook
         self._tasks: set[asyncio.Task[Any]] = set()  # fire-and-forget work, kept alive until done
-        components = engine.kv_pool.pd_state_components()
-        self.dst_ptrs = {c.state_type: c.data_ptrs for c in components}
         rows = engine.allocator.req_pool.req_to_token.shape[0]
-        self.aux = torch.zeros((rows, AUX_BYTES), dtype=torch.uint8)
-        transport.register(
-            [p for c in components for p in c.data_ptrs] + [self.aux.data_ptr()],
-            [n for c in components for n in c.data_lens] + [self.aux.nbytes],
-        )
+        components, self.aux = register_state(transport, engine.kv_pool, rows)
+        self.dst_ptrs = {c.state_type: c.data_ptrs for c in components}
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -24,9 +24,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from dsv4_engine.disagg.protocol import AUX_BYTES, PdError, PdTarget, RoomStatus, pack_aux, page_digests
+from dsv4_engine.disagg.protocol import (
+    AUX_BYTES,
+    PdError,
+    PdTarget,
+    RoomStatus,
+    pack_aux,
+    page_digests,
+    register_state,
+)
 from dsv4_engine.memory import StateType
 
 log = logging.getLogger("dsv4.pd.prefill")
@@ -115,14 +121,9 @@ class PrefillRooms:
         self.rooms: dict[int, Room] = {}
         self.by_request: dict[str, Room] = {}
         self.sessions: dict[str, DecodeSession] = {}
-        self.components = engine.kv_pool.pd_state_components()
-        self.src_ptrs = {c.state_type: c.data_ptrs for c in self.components}
         rows = engine.allocator.req_pool.req_to_token.shape[0]
-        self.aux = torch.zeros((rows, AUX_BYTES), dtype=torch.uint8)
-        transport.register(
-            [p for c in self.components for p in c.data_ptrs] + [self.aux.data_ptr()],
-            [n for c in self.components for n in c.data_lens] + [self.aux.nbytes],
-        )
+        self.components, self.aux = register_state(transport, engine.kv_pool, rows)
+        self.src_ptrs = {c.state_type: c.data_ptrs for c in self.components}
         # Test hooks (DSV4_TEST_HOOKS): perturb one source page before the next send; keep per-room
         # digests of the bytes sent, for comparison with the decode side's.
         self.corrupt_next: StateType | None = None
@@ -262,6 +263,16 @@ class PrefillRooms:
         self.fail(room, PdError(reason, f"the decode server aborted room {number}: {message}"))
         with self._lock:
             return room.writing
+
+    def refuse(self, number: int, reason: str, message: str) -> None:
+        """This server refused the prefill request of room `number` (draining, queue full): fail the
+        room, so a decode server's claim (or its wait for the transfer) ends now, not at a deadline."""
+        room = self.rooms.get(number)
+        if room is not None and room.request_id is not None:
+            return  # another request's room
+        if room is None:
+            room = self._new_room(number)
+        self.fail(room, PdError(reason, f"the prefill server refused room {number}: {message}", status=503))
 
     # ---- ending a room (loop) ----------------------------------------------------------------
     def fail(self, room: Room, error: PdError) -> None:

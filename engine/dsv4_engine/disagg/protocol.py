@@ -84,6 +84,18 @@ class PdTarget:
         return f"{self.host}:{self.port}"
 
 
+def register_state(transport: Any, kv_pool: Any, rows: int) -> tuple[list[Any], torch.Tensor]:
+    """Register every buffer of `pd_state_components()` and an aux slot per request row with the
+    transport, once: the same on both sides (the prefill reads from them, the decode is written)."""
+    components = kv_pool.pd_state_components()
+    aux = torch.zeros((rows, AUX_BYTES), dtype=torch.uint8)
+    transport.register(
+        [p for c in components for p in c.data_ptrs] + [aux.data_ptr()],
+        [n for c in components for n in c.data_lens] + [aux.nbytes],
+    )
+    return components, aux
+
+
 def page_digests(kv_pool: Any, pages: dict[Any, list[int]]) -> dict[str, str]:
     """sha256 per state type of the bytes of `pages` (list order, sentinels skipped) in every buffer
     of that type: equal on both sides exactly when the transfer copied every byte (test hook)."""

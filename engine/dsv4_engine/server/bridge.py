@@ -160,12 +160,15 @@ class EngineBridge:
 
     def abort(self, handle: RequestHandle) -> None:
         """Release the request in the engine (frees its pages). Safe to call more than once."""
+        # PD's hook runs even for a request the engine already ended (refused, failed): a prefill
+        # room must still fail so its decode side stops waiting. It runs once.
+        on_abort, handle.on_abort = handle.on_abort, None
+        if on_abort is not None:
+            on_abort()
         if handle.done:
             return
         handle.done = True
         self._handles.pop(handle.request_id, None)
-        if handle.on_abort is not None:
-            handle.on_abort()
         with self._cond:
             self._commands.append(_Abort(handle.request_id))
             self._cond.notify()

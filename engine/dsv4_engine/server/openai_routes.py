@@ -142,7 +142,7 @@ async def _collect(
 async def completions(req: CompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     ctx = _ctx(request)
-    ctx.check_admission(0)
+    pd.check_admission(ctx, req)
     ctx.require_model(req.model)
     check_pd_fields(ctx, req)
     texts = req.prompts()
@@ -257,7 +257,7 @@ async def _stream_completion(
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     ctx = _ctx(request)
-    ctx.check_admission(0)
+    pd.check_admission(ctx, req)
     ctx.require_model(req.model)
     check_pd_fields(ctx, req)
     ids = await encode_chat(ctx, req)

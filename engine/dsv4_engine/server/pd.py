@@ -164,12 +164,37 @@ def _start_decode(
 
 
 def abort_rooms(ctx: ServerContext, rooms: list[PdTarget], reason: str, message: str) -> None:
-    """A decode server refusing a request before any handle exists tells each prefill (best effort)."""
-    if ctx.settings.disaggregation_mode != "decode" or ctx.pd is None:
+    """A PD server refusing a request before any handle exists tells the other side (best effort): a
+    decode server aborts each room at its prefill, a prefill server fails each room so the decode's
+    claim ends. sglang-router waits for both legs' headers, so a silent refusal would hold the client
+    until the router's request timeout (or the peer's own bootstrap/waiting bound)."""
+    mode = ctx.settings.disaggregation_mode
+    if ctx.pd is None:
         return
-    receiver = ctx.pd
-    for target in rooms:
-        receiver.spawn(receiver.refuse(target, reason, message))
+    if mode == "decode":
+        receiver = ctx.pd
+        for target in rooms:
+            receiver.spawn(receiver.refuse(target, reason, message))
+    elif mode == "prefill":
+        for target in rooms:
+            ctx.pd.refuse(target.room, reason, message)
+
+
+def check_admission(ctx: ServerContext, req: Any) -> None:
+    """The routes' first admission check (draining, loading, dead, queue full): on a PD server a
+    refusal also ends the rooms the request names, as `start_all` does for a later refusal."""
+    try:
+        ctx.check_admission(0)
+    except ApiError as err:
+        if ctx.settings.disaggregation_mode != "null" and ctx.pd is not None:
+            room = getattr(req, "bootstrap_room", None)
+            try:
+                rooms = targets(ctx, req, len(room) if isinstance(room, list) else 1)
+            except ApiError:
+                rooms = None  # malformed fields: nothing to tell anyone
+            if rooms:
+                abort_rooms(ctx, rooms, err.code or "refused", err.message)
+        raise
 
 
 # ---- set-up ------------------------------------------------------------------------------------

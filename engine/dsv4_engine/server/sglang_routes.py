@@ -216,7 +216,7 @@ def _result(
 async def generate(req: GenerateRequest, request: Request) -> Response:
     arrival = time.monotonic()
     ctx = _ctx(request)
-    ctx.check_admission(0)
+    pd.check_admission(ctx, req)
     ctx.require_model(req.model)
     check_pd_fields(ctx, req)
     if req.stream and req.is_batch():

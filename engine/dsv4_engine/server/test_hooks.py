@@ -66,6 +66,7 @@ async def pd_state(request: Request) -> JSONResponse:
         {
             "checksums": {str(k): v for k, v in (getattr(pd, "checksums", None) or {}).items()},
             "depths": pd.depths() if pd is not None else {},
+            "decode_id": getattr(pd, "decode_id", None),
             "logits": dict(getattr(runner, "logit_probe", None) or {}),
         }
     )
