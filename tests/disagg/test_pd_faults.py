@@ -29,6 +29,7 @@ def s(spawn: Any, pd: Any) -> dict[str, Any]:
         "DX": spawn("DX", "--disaggregation-mode", "decode", *HEARTBEAT),
         "DS": spawn("DS", "--disaggregation-mode", "decode", "--num-pages", "10", "--max-waiting", "1"),
         "DM": spawn("DM", "--disaggregation-mode", "decode", "--page-size", "256"),
+        "DW": spawn("DW", "--disaggregation-mode", "decode", "--disaggregation-waiting-timeout", "2"),
     }
     pd.wait_healthy(*servers.values())
     servers["initial"] = {name: srv.free_pages() for name, srv in servers.items()}
@@ -146,6 +147,24 @@ def test_a_preempted_pd_request_is_recomputed_not_lost(s: dict[str, Any], pd: An
     assert [o.json()["choices"][0]["text"] for o in outs] == want
     assert D.engine()["num_preemptions"] > before
     pd.settle(P, D, initial=s["initial"])
+
+
+def test_a_transfer_past_the_waiting_timeout_fails_and_the_pair_stays_paired(
+    s: dict[str, Any], pd: Any, pool: Any
+) -> None:
+    P, D = s["PF"], s["DW"]
+    b = body(P, pd)
+    P.pause()  # the prefill never starts: DW's 2 s waiting timeout (from reserving its pages) ends it
+    try:
+        fp, fd = pool.submit(post, P, b), pool.submit(post, D, b)
+        r = fd.result(timeout=120)
+        assert r.status_code == 504 and error(r)["code"] == "pd_transfer_timeout", r.text
+        assert fp.result(timeout=60).status_code >= 400  # the abort ended the prefill's leg too
+    finally:
+        P.resume()
+    pd.settle(P, D, initial=s["initial"])
+    # An abort is not a death: the prefill still takes rooms from DW's session.
+    assert D.get("/debug/pd")["decode_id"] not in P.get("/debug/pd")["dead_sessions"]
 
 
 def _held_open(P: Any, D: Any, pd: Any, pool: Any, b: dict[str, Any]) -> tuple[Any, Any]:

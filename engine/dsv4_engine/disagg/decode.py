@@ -87,6 +87,7 @@ class DecodeReceiver:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors here are expected
 
     def depths(self) -> dict[str, int]:
         return {"prealloc": self.queued, "transfer": self.receiving, "quarantine": self.quarantined}
@@ -278,14 +279,19 @@ class DecodeReceiver:
             )
         )
         dead = asyncio.ensure_future(peer.dead.wait())
+        done: set[asyncio.Future[Any]] = set()
         try:
             done, _ = await asyncio.wait(
                 {post, dead}, timeout=self.waiting_timeout, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
             dead.cancel()
+            if post not in done:
+                # Keep the call open until the abort (sent next, also when this task is cancelled)
+                # ends it at the prefill: hanging up first reads there as this server's death.
+                # Bounded, for a prefill that never answers.
+                self.spawn(asyncio.wait_for(post, self.quarantine))
         if post not in done:
-            post.cancel()
             if peer.dead.is_set():
                 raise PdError("prefill_dead", peer.reason or f"prefill {peer.address} is dead")
             raise PdError("transfer_timeout", f"no state from prefill {peer.address} for room {target.room} "

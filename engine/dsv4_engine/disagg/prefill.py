@@ -313,8 +313,8 @@ class PrefillRooms:
     def decode_gone(self, room: Room) -> None:
         """The decode's transfer call hung up: its process or its network is gone, so its session is
         dead (later rooms fail fast) until it registers again."""
-        if self.deaf:
-            return
+        if self.deaf or room.status is RoomStatus.FAILED:
+            return  # already ended (an abort that came first is not a death)
         if room.session is not None:
             room.session.dead = True
         self.fail(room, PdError("decode_gone", f"the decode server hung up on room {room.room}"))

@@ -67,6 +67,7 @@ async def pd_state(request: Request) -> JSONResponse:
             "checksums": {str(k): v for k, v in (getattr(pd, "checksums", None) or {}).items()},
             "depths": pd.depths() if pd is not None else {},
             "decode_id": getattr(pd, "decode_id", None),
+            "dead_sessions": sorted(k for k, v in (getattr(pd, "sessions", None) or {}).items() if v.dead),
             "logits": dict(getattr(runner, "logit_probe", None) or {}),
         }
     )
