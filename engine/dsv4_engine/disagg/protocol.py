@@ -33,11 +33,6 @@ AUX_BYTES = 8192
 _AUX_HEAD = struct.Struct("<qq")
 MAX_ROOM = 2**64
 
-# Defaults of the fault bounds (SGLang's environ.py uses 300 s, 300 s, 5 s x 2).
-DEFAULT_BOOTSTRAP_TIMEOUT = 300.0  # prefill: a room no decode server claims is failed and freed
-DEFAULT_WAITING_TIMEOUT = 300.0  # decode: from admission (pages reserved) to the transfer's end
-DEFAULT_HEARTBEAT_INTERVAL = 5.0
-DEFAULT_HEARTBEAT_FAILURES = 2
 # Mooncake's own transfer timeout (MC_TRANSFER_TIMEOUT, default 30 s) plus a margin: pages of a room
 # whose peer was declared dead stay out of the free lists this long, so a late write lands nowhere live.
 QUARANTINE_MARGIN = 5.0

@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="tcp",
         help="Mooncake transport: tcp (CPU), rdma (GPU), ascend (NPU)",
     )
+    # The PD fault bounds default to SGLang's (its environ.py): 300 s, 300 s, a heartbeat of 5 s x 2.
     p.add_argument(
         "--disaggregation-bootstrap-timeout",
         dest="bootstrap_timeout",
