@@ -249,21 +249,25 @@ class DecodeReceiver:
     async def _reserve(
         self, prompt_len: int, renew: Callable[[], Awaitable[None]]
     ) -> tuple[int, dict[StateType, list[int]]]:
-        """Pages and tables for the prompt; waits (queued) while the pools are short."""
-        self.queued += 1
+        """Pages and tables for the prompt; waits (queued) while the pools are short. Only a request
+        that found the pools short counts as queued: --max-waiting bounds those, not arrivals."""
+        queued = False
         try:
             while True:
                 self.pages_freed.clear()
                 try:
                     return await self.bridge.run(lambda e: e.prealloc(prompt_len, poison=self.poison))
                 except OutOfPages:
-                    pass
+                    if not queued:
+                        queued = True
+                        self.queued += 1
                 try:
                     await asyncio.wait_for(self.pages_freed.wait(), self.heartbeat_interval)
                 except TimeoutError:  # still queued: renew the claim so the prefill keeps the room
                     await renew()
         finally:
-            self.queued -= 1
+            if queued:
+                self.queued -= 1
 
     async def _transfer(
         self, peer: PrefillPeer, target: PdTarget, pages: dict[StateType, list[int]], req_idx: int
