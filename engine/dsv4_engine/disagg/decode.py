@@ -32,6 +32,8 @@ from dsv4_engine.memory import OutOfPages, StateType
 
 log = logging.getLogger("dsv4.pd.decode")
 
+HEARTBEAT_TIMEOUT = 5.0  # seconds one health check of a prefill's bootstrap endpoint may take
+
 
 @dataclass
 class PrefillPeer:
@@ -171,7 +173,8 @@ class DecodeReceiver:
         while not peer.dead.is_set():
             await asyncio.sleep(self.heartbeat_interval)
             try:
-                r = await peer.client.get("/health", timeout=self.heartbeat_interval)
+                # A check waits at least HEARTBEAT_TIMEOUT: a busy prefill answers late, not never.
+                r = await peer.client.get("/health", timeout=max(self.heartbeat_interval, HEARTBEAT_TIMEOUT))
                 misses = 0 if r.status_code == 200 else misses + 1
             except httpx.HTTPError:
                 misses += 1
