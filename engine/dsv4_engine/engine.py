@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,9 +256,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     # ---- PD (disagg/): every call on the engine thread -----------------------------------------
-    def payloads(self, req_idx: int, seq_len: int) -> dict[StateType, list[int]]:
-        """Page ids per state type of a request of seq_len (the same builder on both sides)."""
-        return {t: f() for t, f in dsv4_state_payloads(self.kv_pool, self.req_pool, req_idx, seq_len).items()}
+    def payloads(
+        self, req_idx: int, seq_len: int, types: Collection[StateType] | None = None
+    ) -> dict[StateType, list[int]]:
+        """Page ids per state type (all present, or only `types`) of a request of seq_len: the same
+        builder on both sides."""
+        builders = dsv4_state_payloads(self.kv_pool, self.req_pool, req_idx, seq_len)
+        return {t: f() for t, f in builders.items() if types is None or t in types}
 
     def prealloc(self, prompt_len: int, *, poison: bool = False) -> tuple[int, dict[StateType, list[int]]]:
         """PD decode: a request row and every page a prompt of prompt_len needs to continue, before

@@ -347,14 +347,14 @@ class PrefillRooms:
         from dsv4_engine.disagg.transfer import Entries, plan_writes
 
         assert room.dst_pages is not None and room.session is not None and seq.req_idx is not None
-        seq_len = len(seq.prompt_token_ids)
-        src_all = self.engine.payloads(seq.req_idx, seq_len)
+        # Only the types this step sends are built: a non-final chunk sends the append-only ones,
+        # and none at all when it completed no page.
+        types = [t for t in self.src_ptrs if final or (t in _APPEND_ONLY and done_pages > room.sent_pages)]
+        src_all = self.engine.payloads(seq.req_idx, len(seq.prompt_token_ids), types)
         src: dict[StateType, list[int]] = {}
         dst: dict[StateType, list[int]] = {}
-        for t in self.src_ptrs:
+        for t in types:
             lo, hi = (room.sent_pages, done_pages) if t in _APPEND_ONLY else (0, None)
-            if t not in _APPEND_ONLY and not final:
-                continue
             s, d = src_all[t], room.dst_pages[t]
             if len(s) != len(d):
                 raise PdError(
