@@ -39,6 +39,7 @@ def test_pd_transfer_bench_prints_every_case_with_its_ratio(tiny: Path) -> None:
         "iperf3 -n",
         "fresh pools:",
         "fragmented pools:",
+        "ceiling: the same bytes as one entry",
         "fragmented, staged:",
         "handshake:",
         "first write of the request, fresh",
