@@ -7,7 +7,7 @@ returns (field path, reason) and the reason says what to change.
 
 from __future__ import annotations
 
-from dsv4_operator.spec import MAX_NPUS_PER_NODE, Dsv4Deployment, RoleSpec, Toleration
+from dsv4_operator.spec_types import MAX_NPUS_PER_NODE, Dsv4Deployment, RoleSpec, Toleration
 
 # Environment variables the rendered pods set themselves; a user value would silently lose.
 RESERVED_ENV = (

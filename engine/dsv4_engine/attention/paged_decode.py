@@ -26,21 +26,86 @@ ops a layer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..memory.pools import Dsv4TokenToKVPool
-from ..model.attention import Dsv4Attention
+from ..model.attention import Dsv4Attention, GroupedLinear
 from ..model.compressor import Compressor, Indexer
+from ..model.ops import RMSNorm
 from ..model.packed import Packed, attention_inputs
 from .metadata import AttentionMetadata, CompressMetadata
 
-if TYPE_CHECKING:  # decode_ops imports this module's torch forms
-    from ..model.decode_ops import TorchOps
-
 NEG_INF = float("-inf")
+
+
+class DecodeOps(Protocol):
+    """The ops this module calls: `model.decode_ops.TorchOps` and its subclasses. Declared here, not
+    imported from there: decode_ops takes its attention forms from this module, so naming `TorchOps`
+    here made the two modules import each other."""
+
+    for_compiler: bool
+
+    def linear(self, m: nn.Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+    def project(self, pack: Packed, x: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+    def grouped_linear(self, m: GroupedLinear, x: torch.Tensor) -> torch.Tensor: ...
+
+    def norm(self, m: RMSNorm, x: torch.Tensor) -> torch.Tensor: ...
+
+    def unit_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def rotate(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor: ...
+
+    def masked_put(
+        self, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
+    ) -> None: ...
+
+    def attend(
+        self, attn: Dsv4Attention, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def compress(
+        self,
+        comp: Compressor,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        positions: torch.Tensor,
+        cm: CompressMetadata,
+        state: torch.Tensor,
+        rows: torch.Tensor,
+        sparse: bool,
+    ) -> None: ...
+
+    def index_topk(
+        self,
+        indexer: Indexer,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        page_table: torch.Tensor,
+        visible: torch.Tensor,
+        page_size: int,
+    ) -> torch.Tensor: ...
+
+    def paged_attend(
+        self,
+        attn: Dsv4Attention,
+        q: torch.Tensor,
+        swa: torch.Tensor,
+        swa_slots: torch.Tensor,
+        comp: torch.Tensor | None,
+        page_table: torch.Tensor,
+        rows: torch.Tensor | None,
+        visible: torch.Tensor | None,
+        page_size: int,
+    ) -> torch.Tensor: ...
 
 
 def _flat(buf: torch.Tensor) -> torch.Tensor:
@@ -76,7 +141,7 @@ def gather_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def compress_decode(
-    ops: TorchOps,
+    ops: DecodeOps,
     comp: Compressor,
     kv: torch.Tensor,
     gate: torch.Tensor,
@@ -125,7 +190,7 @@ def _pool(
     read_slots: torch.Tensor,
     state: torch.Tensor,
     dtype: torch.dtype,
-    ops: TorchOps,
+    ops: DecodeOps,
 ) -> torch.Tensor:
     """The normalised compressed row `[B, D]` each row's window pools (the token's own state row in
     its column, the stored rows elsewhere), before RoPE."""
@@ -155,7 +220,7 @@ def paged_decode_attention(
     pools: PoolViews,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    ops: TorchOps,
+    ops: DecodeOps,
     num_pages: int | None = None,
     packed: Packed | None = None,
 ) -> torch.Tensor:
@@ -203,7 +268,7 @@ def paged_decode_attention(
 
 
 def index_topk(
-    ops: TorchOps,
+    ops: DecodeOps,
     indexer: Indexer,
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -225,7 +290,7 @@ def index_topk(
 
 
 def paged_attend(
-    ops: TorchOps,
+    ops: DecodeOps,
     attn: Dsv4Attention,
     q: torch.Tensor,
     swa: torch.Tensor,
