@@ -66,27 +66,26 @@ def converse(base_url: str, model: str) -> None:
     client = OpenAI(base_url=base_url, api_key=os.environ.get("DSV4_API_KEY", "none"))
     print("models:", [m.id for m in client.models.list().data])
 
-    messages = [{"role": "user", "content": "Say hello to the cluster."}]
-    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+    # The bundled demo model learned Python's help topics: ask it about one (greedy, so every run and
+    # every path, colocated or PD, writes the same words).
+    messages = [{"role": "user", "content": 'What is the "try" statement?'}]
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0)
     print("chat:", repr(reply.choices[0].message.content), "| finish:", reply.choices[0].finish_reason)
     print("usage:", reply.usage.model_dump())
 
     print("stream: ", end="", flush=True)
     stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=24, temperature=0, stream=True
+        model=model, messages=messages, max_tokens=64, temperature=0, stream=True
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             print(chunk.choices[0].delta.content, end="", flush=True)
     print()
 
-    # A random model ends early when it happens to sample EOS; ignore_eos (an SGLang/vLLM extension
-    # the server honours) shows a full-length completion.
     text = client.completions.create(
-        model=model, prompt="The cluster", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        model=model, prompt='The "while" statement is used', max_tokens=32, temperature=0
     )
     print("completion:", repr(text.choices[0].text), "| tokens:", text.usage.completion_tokens)
-    print("(a random tiny model: the words are noise; the serving path is real)")
 
 
 def main() -> None:

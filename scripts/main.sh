@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: install, start the local PD cluster with `dsv4 up` (the bundled CPU
-# example: one prefill and one decode server on the tiny model, made on first use, paired behind
-# sglang-router on 127.0.0.1), ask it through the router with the official openai client, then stop it
-# with SIGTERM: it drains and must exit 0.
+# example: one prefill and one decode server on the bundled demo model, which answers questions about
+# Python in English, paired behind sglang-router on 127.0.0.1), ask it through the router with the
+# official openai client, then stop it with SIGTERM: it drains and must exit 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -205,9 +205,15 @@ def quantise_released(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor
     if ".experts." in stem:
         q, s = quant.quant_fp4(tensor)
         return {name: q, f"{stem}.scale": s}
+    return {name: shipped(name, tensor)}
+
+
+def shipped(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor DeepSeek does not quantise, in the dtype it ships: bf16, but the sinks, the compressor
+    position biases, the router biases and the hyper-connection tensors in fp32, integer tables as is."""
     if tensor.dtype == torch.int64 or name.endswith(("attn_sink", ".ape", ".bias")) or "hc_" in name:
-        return {name: tensor}
-    return {name: tensor.to(torch.bfloat16)}
+        return tensor
+    return tensor.to(torch.bfloat16)
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, shards: int = 1) -> None:
@@ -260,19 +266,35 @@ def make_tiny(
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser(extra_presets: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """`dsv4 make-tiny`'s flags. extra_presets: name -> help, presets built elsewhere
+    (`dsv4_engine.cli` adds demo's: demo builds on this module, so this one does not import it)."""
+    extra = extra_presets or {}
     p = argparse.ArgumentParser(
         prog="dsv4 make-tiny",
         description="Write a random DeepSeek-V4 checkpoint (HF format, released tensor names) and its tokenizer.",
     )
     p.add_argument("out", help="output folder")
     p.add_argument("--seed", type=int, default=0, help="same seed, same bytes (default 0)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="tiny: ~5M params; small: ~100M")
+    p.add_argument(
+        "--preset",
+        choices=[*sorted(PRESETS), *extra],
+        default="tiny",
+        help="; ".join(["tiny: ~5M params", "small: ~100M", *(f"{k}: {v}" for k, v in extra.items())]),
+    )
     p.add_argument(
         "--quant", choices=["none", "fp8"], default="none", help="fp8: the released FP8/FP4 format"
     )
     p.add_argument("--shards", type=int, default=1, help="split the weights into this many files")
-    a = p.parse_args(argv)
+    return p
+
+
+def run(a: argparse.Namespace) -> int:
     out = make_tiny(a.out, seed=a.seed, preset=a.preset, quant=a.quant, shards=a.shards)
     print(f"wrote {a.preset} checkpoint (seed {a.seed}, quant {a.quant}) to {out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The random presets; `dsv4 make-tiny` (`dsv4_engine.cli.make_tiny_main`) adds `--preset demo`."""
+    return run(parser().parse_args(argv))

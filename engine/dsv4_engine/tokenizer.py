@@ -4,6 +4,7 @@ Byte-level, so any UTF-8 text round-trips (CJK, emoji, accents). The special tok
 template follow DeepSeek's: `<｜begin▁of▁sentence｜>` (id 0, added in front of every encoding),
 `<｜end▁of▁sentence｜>` (id 1), `<｜User｜>`, `<｜Assistant｜>`. Training is deterministic: the corpus is
 fixed text plus sentences drawn from fixed word lists with a fixed seed, independent of the model's seed.
+The demo checkpoint (`dsv4_engine.demo`) trains the same tokenizer on its own corpus instead.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """Train the byte-level BPE with exactly `vocab_size` tokens (specials first, ids 0..6)."""
+def build_tokenizer(vocab_size: int, lines: list[str] | None = None) -> Tokenizer:
+    """Train the byte-level BPE with exactly `vocab_size` tokens (specials first, ids 0..6) on `lines`
+    (default: the bundled corpus())."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -93,11 +95,9 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus() if lines is None else lines, trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
-        raise ValueError(
-            f"the bundled corpus yields {tok.get_vocab_size()} tokens, not the {vocab_size} asked for"
-        )
+        raise ValueError(f"the corpus yields {tok.get_vocab_size()} tokens, not the {vocab_size} asked for")
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
@@ -105,12 +105,15 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
-def write_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int) -> None:
-    """tokenizer.json + tokenizer_config.json (+ special_tokens_map.json) that AutoTokenizer loads offline."""
+def write_tokenizer(
+    out_dir: str | Path, vocab_size: int, model_max_length: int, lines: list[str] | None = None
+) -> None:
+    """tokenizer.json + tokenizer_config.json (+ special_tokens_map.json) that AutoTokenizer loads offline;
+    trained on `lines` (default: the bundled corpus())."""
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(vocab_size),
+        tokenizer_object=build_tokenizer(vocab_size, lines),
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,

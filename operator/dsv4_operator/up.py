@@ -1,6 +1,6 @@
 """`dsv4 up`: a Dsv4Deployment as a prefill/decode cluster of processes on 127.0.0.1.
 
-    dsv4 up                         # the bundled CPU example on the tiny model (made on first use)
+    dsv4 up                         # the bundled CPU example on the bundled demo model
     dsv4 up -f dep.yaml             # any spec whose model is on this machine
     dsv4 up --ports free            # free ports instead of the spec's (offset per server)
 
@@ -20,7 +20,6 @@ import ctypes
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -42,7 +41,6 @@ from dsv4_operator.spec import Dsv4Deployment, SpecError, parse
 EXIT_FAILED = 1
 EXIT_INVALID = 2
 BUNDLED_SPEC = Path(__file__).with_name("data") / "cpu-tiny.yaml"
-TINY_MODEL = ("tiny-seed0", "tiny", 0)  # directory under <cache>/models, preset, seed
 POLL_SECONDS = 0.2  # how often process states are looked at (a supervisor's poll, not a test's sleep)
 PROBE_TIMEOUT_SECONDS = 2.0
 DRAIN_MARGIN_SECONDS = 30  # beyond the grace period, as the pods' terminationGracePeriodSeconds
@@ -66,30 +64,20 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def resolve_model(dep: Dsv4Deployment) -> str:
-    """The checkpoint directory to serve; makes the tiny model for the bundled example's model."""
+    """The checkpoint directory to serve; the bundled example's model is the bundled demo checkpoint
+    (dsv4_engine.demo: the tiny architecture trained to write like the Python docs)."""
     path, fieldname = lc.model_source(dep)
     if is_checkpoint(Path(path)):
         return path
     if dep.spec.model == load(BUNDLED_SPEC).spec.model:
-        return str(make_tiny_once(cache_dir() / "models" / TINY_MODEL[0]))
+        from dsv4_engine import demo
+
+        try:
+            return str(demo.bundled())
+        except (OSError, RuntimeError) as e:  # a damaged install: say so, not a traceback
+            raise lc.LocalError([(fieldname, str(e))]) from e
     hint = "dsv4 up reads the model from this machine: point spec.model.hostPath.path at a checkpoint"
     raise lc.LocalError([(fieldname, f"no checkpoint at {path} (no config.json); {hint}")])
-
-
-def make_tiny_once(path: Path) -> Path:
-    if is_checkpoint(path):
-        return path
-    from dsv4_engine.make_tiny import make_tiny  # torch: only when the model must be made
-
-    _, preset, seed = TINY_MODEL
-    print(f"dsv4 up: making the tiny model in {path} (dsv4 make-tiny --preset {preset} --seed {seed})")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    make_tiny(tmp, preset=preset, seed=seed)
-    try:
-        tmp.rename(path)  # whole or not at all: a crash never leaves half a checkpoint behind
-    except OSError:  # another `dsv4 up` made it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 # ---- one process -----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ API key). Pure: nothing is started."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
@@ -199,14 +200,26 @@ def test_a_missing_model_names_the_field(tmp_path: Path) -> None:
     assert exc.value.errors[0][0] == "spec.model.image.path"
 
 
-def test_the_bundled_example_uses_the_cached_tiny_model(
+def test_the_bundled_example_serves_the_bundled_demo_checkpoint_without_torch() -> None:
+    code = (
+        "import sys; from dsv4_operator import up; from dsv4_engine import demo; "
+        "assert up.resolve_model(up.load(up.BUNDLED_SPEC)) == str(demo.BUNDLED); "
+        "assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_damaged_demo_checkpoint_is_an_error_naming_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cached = tmp_path / "dsv4" / "models" / "tiny-seed0"
-    cached.mkdir(parents=True)
-    (cached / "config.json").write_text("{}")
-    assert up.resolve_model(up.load(up.BUNDLED_SPEC)) == str(cached)
+    from dsv4_engine import demo
+
+    copy = Path(shutil.copytree(demo.BUNDLED, tmp_path / "demo"))
+    (copy / "generation_config.json").write_text("{}")
+    monkeypatch.setattr(demo, "BUNDLED", copy)
+    with pytest.raises(lc.LocalError) as e:
+        up.resolve_model(up.load(up.BUNDLED_SPEC))
+    assert "generation_config.json differ" in str(e.value)
 
 
 def test_the_bundled_spec_is_the_cpu_example() -> None:
