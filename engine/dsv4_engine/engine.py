@@ -180,7 +180,7 @@ class LLMEngine:
             chunk_size=chunked_prefill_size,
             eos_token_ids=tuple(self.config.eos_token_ids),
         )
-        self.scheduler = Scheduler(sched_config, self.allocator, self.req_pool)
+        self.scheduler = Scheduler(sched_config, self.allocator)
         self.runner = ModelRunner(
             self.model, self.kv_pool, self.allocator, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs
         )

@@ -38,9 +38,12 @@ from dsv4_engine.model.packed import decode_packs
 
 Mode = Literal["eager", "compiled", "graph"]
 MODES: tuple[str, ...] = ("eager", "compiled", "graph")
+# ModelRunner's: the runner's modes, or `reference` (the per-request SeqCache forward, for tests).
+DecodeMode = Literal["eager", "compiled", "graph", "reference"]
+DECODE_MODES: tuple[str, ...] = (*MODES, "reference")
 
 
-def default_decode_mode(device: torch.device, enforce_eager: bool) -> str:
+def default_decode_mode(device: torch.device, enforce_eager: bool) -> Mode:
     """`eager` when eager is enforced; else a device graph on GPU/NPU, `torch.compile` on CPU."""
     if enforce_eager:
         return "eager"

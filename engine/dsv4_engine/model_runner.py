@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_engine.attention import buckets_for
-from dsv4_engine.graph_runner import DecodeGraphRunner, default_decode_mode
+from dsv4_engine.graph_runner import DECODE_MODES, DecodeGraphRunner, DecodeMode, default_decode_mode
 from dsv4_engine.memory import Dsv4Allocator, DSV4OutCacheLoc, Dsv4TokenToKVPool, ExtendSpec
 from dsv4_engine.memory.seq_cache import PagedSeqCache
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
@@ -29,45 +29,46 @@ class ModelRunner:
         *,
         enforce_eager: bool = True,
         max_num_seqs: int | None = None,
+        decode_mode: DecodeMode | None = None,
     ) -> None:
+        """decode_mode: how `decode` runs (see there); default from `enforce_eager` and the device
+        (`graph_runner.default_decode_mode`)."""
         self.model = model
         self.kv_pool = kv_pool
         self.allocator = allocator
         self.device = model.device
-        self.enforce_eager = enforce_eager  # False lets a graph runner take over `decode`
+        self.decode_mode: DecodeMode = decode_mode or default_decode_mode(self.device, enforce_eager)
+        if self.decode_mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
         self.decode_buckets = buckets_for(max_num_seqs)
+        self._decode_runner: DecodeGraphRunner | None = None  # built on first use
         # Test hook: request id -> digest of the first logits row the runner computed for it (on a PD
         # decode server, the first decode step's: it shows which state that step read).
         self.logit_probe: dict[str, str] | None = None
 
-    def _decode_mode(self) -> str:
-        """`decode_mode` when set on the instance, else what `enforce_eager` and the device imply."""
-        return getattr(self, "decode_mode", None) or default_decode_mode(self.device, self.enforce_eager)
-
-    def decode_runner(self, mode: str) -> DecodeGraphRunner:
-        """The batched decode step in `mode`, built on first use (and again if the mode changes)."""
-        runner = getattr(self, "_decode_runner", None)
-        if runner is None or runner.mode != mode:
+    def decode_runner(self) -> DecodeGraphRunner:
+        """The batched decode step (not for the `reference` mode), built on first use."""
+        assert self.decode_mode != "reference"
+        if self._decode_runner is None:
             req_pool = self.allocator.req_pool
-            runner = self._decode_runner = DecodeGraphRunner(
+            self._decode_runner = DecodeGraphRunner(
                 self.model,
                 self.kv_pool,
                 req_pool,
                 req_pool.max_context_len,
                 buckets=self.decode_buckets,
-                mode=mode,  # type: ignore[arg-type]
+                mode=self.decode_mode,
             )
-        return runner
+        return self._decode_runner
 
     def warmup(self) -> int:
         """Compile (CPU) or capture (GPU/NPU) every decode bucket before traffic, so no request waits
         on a compile; the compiled artefacts are cached outside the repo, so a restart mostly loads
         them. Nothing to do in eager mode. Returns the number of buckets warmed."""
-        mode = self._decode_mode()
-        if mode in ("eager", "reference"):
+        if self.decode_mode in ("eager", "reference"):
             return 0
         with torch.inference_mode():
-            self.decode_runner(mode).warmup()
+            self.decode_runner().warmup()
         return len(self.decode_buckets)
 
     # ---- caches --------------------------------------------------------------------------------
@@ -107,16 +108,16 @@ class ModelRunner:
         any completed compressed rows into the pools, since later steps read them from there.
         `seq.cache` need not be kept in sync: every step repositions it.
 
-        `self.decode_mode` picks the path (set it on the instance; default from `enforce_eager`):
-        `eager` (default with enforce_eager), `compiled` (CPU without it) or `graph` (GPU/NPU
-        without it) run every request in one forward from the static decode buffers of the batch's
-        bucket (`graph_runner.DecodeGraphRunner`, docs/decode.md); `reference` runs the per-request
-        SeqCache forward below, which the batched step is tested against.
+        `self.decode_mode` (a constructor argument) picks the path: `eager` (default with
+        enforce_eager), `compiled` (CPU without it) or `graph` (GPU/NPU without it) run every request
+        in one forward from the static decode buffers of the batch's bucket
+        (`graph_runner.DecodeGraphRunner`, docs/decode.md); `reference` runs the per-request SeqCache
+        forward below, which the batched step is tested against, as does a batch above the largest
+        bucket.
         """
-        mode = self._decode_mode()
-        if mode != "reference" and len(seqs) <= self.decode_buckets[-1]:
+        if self.decode_mode != "reference" and len(seqs) <= self.decode_buckets[-1]:
             tokens = [seq.all_token_ids[spec.prefix_len] for seq, spec in zip(seqs, specs, strict=True)]
-            return self.decode_runner(mode).run(specs, tokens)
+            return self.decode_runner().run(specs, tokens)
         del bundle  # the reference path writes through the request tables
         chunks = [
             (self._cache(seq, spec.prefix_len), [seq.all_token_ids[spec.prefix_len]])

@@ -24,7 +24,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .memory.allocator import FAMILIES, Dsv4Allocator, DSV4OutCacheLoc, ExtendSpec
-from .memory.req_to_token import Dsv4ReqPool
 from .memory.state_tail import cdiv
 from .sampling_params import SamplingParams
 
@@ -119,12 +118,12 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: Dsv4Allocator, req_pool: Dsv4ReqPool) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: Dsv4Allocator) -> None:
+        """The allocator owns the pools and the request tables; the scheduler only asks it."""
         if allocator.page_size != config.page_size:
             raise ValueError("scheduler and allocator disagree on the page size")
         self.config = config
         self.allocator = allocator
-        self.req_pool = req_pool
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.held: dict[str, Sequence] = {}  # finished PD prefills whose pages a transfer may read

@@ -105,7 +105,8 @@ def test_engine_warms_its_buckets_before_traffic(tmp_path: Path) -> None:
     path = make_tiny(tmp_path / "small", seed=3, overrides=SMALL)
     kw = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "max_num_seqs": 1}
     compiled = LLMEngine(path, enforce_eager=False, **kw)
-    runner = compiled.runner.decode_runner("compiled")
+    assert compiled.runner.decode_mode == "compiled"
+    runner = compiled.runner.decode_runner()
     assert runner.buckets == (1,) and runner.num_compiles == 1
     graphs = _unique_graphs()
     eager = LLMEngine(path, **kw)

@@ -66,6 +66,6 @@ def make_harness() -> Callable[..., Harness]:
             page_size=page_size, max_model_len=max_ctx, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, chunk_size=chunk_size, eos_token_ids=(1,),
         )  # fmt: skip
-        return Harness(Scheduler(config, alloc, req_pool), alloc, req_pool, page_size, [])
+        return Harness(Scheduler(config, alloc), alloc, req_pool, page_size, [])
 
     return make

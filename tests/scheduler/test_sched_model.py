@@ -33,11 +33,11 @@ def generate(
     layout = Dsv4MemoryLayout.from_config(model.config, page_size=128, kv_dtype=torch.float32)
     sizes = PoolSizes(full_pages=full_pages, swa_pages=32, c4_state_pages=24, c128_state_pages=24)
     mem = PagedMemory.build(layout, sizes, max_reqs=8, max_ctx=MAX_CTX)
-    kv, req_pool, alloc = mem.kv, mem.req_pool, mem.allocator
+    kv, alloc = mem.kv, mem.allocator
     config = SchedulerConfig(
         page_size=128, max_model_len=MAX_CTX, max_num_batched_tokens=budget, chunk_size=128
     )
-    sched = Scheduler(config, alloc, req_pool)
+    sched = Scheduler(config, alloc)
     seqs = [
         Sequence(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         for i, p in enumerate(prompts)

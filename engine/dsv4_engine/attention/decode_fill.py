@@ -7,12 +7,13 @@ decode step the metadata must cost far less than the forward. Call it after `all
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
 from ..memory.req_to_token import Dsv4ReqPool
-from ..memory.state_tail import STATE_TAIL_BLOCK
+from ..memory.state_tail import state_alloc_offset, state_tail_table
 from .metadata import AttentionMetadata, CompressMetadata
 
 I64 = torch.int64
@@ -22,14 +23,6 @@ def _put(dst: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, pad: int =
     """dst = value on valid rows, `pad` on padding rows (one where + one copy, whatever the batch)."""
     keep = valid.view(-1, *([1] * (dst.dim() - 1)))
     dst.copy_(torch.where(keep, value, pad).to(dst.dtype))
-
-
-def _state_offset(ratio: int, seq: torch.Tensor) -> torch.Tensor:
-    """`state_alloc_offset(ratio, seq)` elementwise."""
-    tail = seq % STATE_TAIL_BLOCK
-    if ratio == 4:
-        tail = torch.where((tail <= 3) & (seq >= STATE_TAIL_BLOCK), tail + STATE_TAIL_BLOCK, tail)
-    return seq - tail
 
 
 def _gather(table: torch.Tensor, req: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -55,7 +48,7 @@ def _fill_compress(
     cols = start[:, None] + torch.arange(cm.state_read_slots.shape[1], device=pos.device)[None, :]
     stored = (cols >= 0) & (cols < pos[:, None])
     _put(cm.state_read_slots, torch.where(stored, _gather(state_table, req[:, None], cols), 0), valid)
-    write = pos >= _state_offset(r, seq)
+    write = pos >= state_alloc_offset(r, seq)
     _put(cm.state_write_pos, pos, valid)
     _put(cm.state_write_loc, torch.where(write, _gather(state_table, req, pos), 0), valid)
     _put(cm.state_write_mask, write, valid)
@@ -103,14 +96,17 @@ def fill_decode_buffers(
         _fill_compress(buf.c128, c128_state, c128_rows, req, pos, valid, rows)
 
 
-MAIN_FIELDS = (
-    "req_indices", "prefix_lens", "seq_lens", "extend_lens", "cu_extend",
-    "positions", "token_req", "out_swa_loc", "swa_slots", "page_table",
-)  # fmt: skip
-COMPRESS_FIELDS = (
-    "block_req", "state_write_token", "block_positions", "block_loc", "block_mask", "state_read_start",
-    "state_read_len", "state_read_slots", "state_write_pos", "state_write_loc", "state_write_mask", "visible",
-)  # fmt: skip
+@functools.cache
+def _kernel_fields() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The buffer names `dsv4::fill_decode` takes, in its order: the kernel defines them, so Python and
+    C++ cannot disagree on which list position is which field."""
+    main, compress = torch.ops.dsv4.fill_decode_fields()
+    return tuple(main), tuple(compress)
+
+
+@functools.cache
+def _tail_table(ratio: int) -> torch.Tensor:
+    return torch.tensor(state_tail_table(ratio), dtype=I64)
 
 
 def fill_decode_buffers_kernel(
@@ -123,14 +119,15 @@ def fill_decode_buffers_kernel(
 ) -> None:
     """`fill_decode_buffers` as one `dsv4::fill_decode` CPU kernel call (about 230 eager ops
     otherwise). It reads the inputs on the host, so it is for eager CPU steps only."""
-    fields = [getattr(buf, name) for name in MAIN_FIELDS]
-    c4 = [getattr(buf.c4, name) for name in COMPRESS_FIELDS] if buf.c4 is not None else []
-    c128 = [getattr(buf.c128, name) for name in COMPRESS_FIELDS] if buf.c128 is not None else []
+    main_fields, compress_fields = _kernel_fields()
+    fields = [getattr(buf, name) for name in main_fields]
+    c4 = [getattr(buf.c4, name) for name in compress_fields] if buf.c4 is not None else []
+    c128 = [getattr(buf.c128, name) for name in compress_fields] if buf.c128 is not None else []
     torch.ops.dsv4.fill_decode(
         req, pos, valid, req_pool.req_to_token_swa, req_pool.req_to_token,
         req_pool.req_to_token_c4_state, req_pool.req_to_token_c4,
         req_pool.req_to_token_c128_state, req_pool.req_to_token_c128,
-        page_size, STATE_TAIL_BLOCK, fields, c4, c128,
+        page_size, _tail_table(4), _tail_table(128), fields, c4, c128,
     )  # fmt: skip
 
 

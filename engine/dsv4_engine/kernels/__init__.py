@@ -73,7 +73,9 @@ def _register_fakes() -> None:
         return post, comb, streams.new_empty(t, streams.shape[2])
 
     @torch.library.register_fake("dsv4::fill_decode")
-    def _(req, pos, valid, swa, tokens, c4s, c4r, c128s, c128r, page_size, tail, main, c4, c128):  # type: ignore[no-untyped-def]
+    def _(
+        req, pos, valid, swa, tokens, c4s, c4r, c128s, c128r, page_size, c4_tail, c128_tail, main, c4, c128
+    ):  # type: ignore[no-untyped-def]
         return None
 
     @torch.library.register_fake("dsv4::sink_attention")

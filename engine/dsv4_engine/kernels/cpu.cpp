@@ -17,6 +17,9 @@
 #include <cstring>
 #include <limits>
 #include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
 #include <vector>
 
 namespace {
@@ -709,49 +712,78 @@ void put(const at::Tensor& dst, std::vector<int64_t>& values) {
   dst.copy_(at::from_blob(values.data(), dst.sizes(), at::TensorOptions().dtype(at::kLong)));
 }
 
-void fill_compress(const std::vector<at::Tensor>& out, const Table& state, const Table& rows, int64_t ratio,
-                   int64_t tail_block, const std::vector<int64_t>& req, const std::vector<int64_t>& pos,
-                   const std::vector<bool>& valid) {
-  const int64_t bs = static_cast<int64_t>(req.size()), width = out[7].size(1);
-  std::vector<std::vector<int64_t>> f(12);
-  for (int64_t i = 0; i < 12; ++i) f[i].reserve(i == 7 ? bs * width : bs);
+// The buffers fill_decode writes, by name. Python passes each list in the order fill_decode_fields()
+// returns (attention/decode_fill.py reads the names from here), so the order is written once.
+enum MainField { kReqIndices, kPrefixLens, kSeqLens, kExtendLens, kCuExtend, kPositions, kTokenReq,
+                 kOutSwaLoc, kSwaSlots, kPageTable, kNumMain };
+const char* const kMainNames[kNumMain] = {"req_indices", "prefix_lens", "seq_lens", "extend_lens",
+                                          "cu_extend", "positions", "token_req", "out_swa_loc",
+                                          "swa_slots", "page_table"};
+enum CompressField { kBlockReq, kStateWriteToken, kBlockPositions, kBlockLoc, kBlockMask, kStateReadStart,
+                     kStateReadLen, kStateReadSlots, kStateWritePos, kStateWriteLoc, kStateWriteMask,
+                     kVisible, kNumCompress };
+const char* const kCompressNames[kNumCompress] = {
+    "block_req", "state_write_token", "block_positions", "block_loc", "block_mask", "state_read_start",
+    "state_read_len", "state_read_slots", "state_write_pos", "state_write_loc", "state_write_mask",
+    "visible"};
+
+std::tuple<std::vector<std::string>, std::vector<std::string>> fill_decode_fields() {
+  return {std::vector<std::string>(kMainNames, kMainNames + kNumMain),
+          std::vector<std::string>(kCompressNames, kCompressNames + kNumCompress)};
+}
+
+// The state tail rule lives in Python (memory/state_tail.py); `table` is its state_tail_table(ratio):
+// entry seq below the period, then one period that repeats.
+int64_t state_tail_len(const at::Tensor& table, int64_t seq) {
+  const int64_t period = table.size(0) / 2;
+  return table.data_ptr<int64_t>()[seq < period ? seq : period + seq % period];
+}
+
+void fill_compress(at::TensorList out, const Table& state, const Table& rows, int64_t ratio,
+                   const at::Tensor& tail_table, const std::vector<int64_t>& req,
+                   const std::vector<int64_t>& pos, const std::vector<bool>& valid) {
+  TORCH_CHECK(out.size() == kNumCompress, "fill_decode: ", kNumCompress, " buffers per compress ratio, got ",
+              out.size());
+  TORCH_CHECK(tail_table.scalar_type() == at::kLong && tail_table.is_contiguous() && tail_table.dim() == 1,
+              "fill_decode: the state tail table must be a contiguous int64 vector");
+  const int64_t bs = static_cast<int64_t>(req.size()), width = out[kStateReadSlots].size(1);
+  std::vector<std::vector<int64_t>> f(kNumCompress);
+  for (int64_t i = 0; i < kNumCompress; ++i) f[i].reserve(i == kStateReadSlots ? bs * width : bs);
   for (int64_t b = 0; b < bs; ++b) {
     const bool v = valid[b];
     const int64_t r = req[b], p = pos[b], seq = p + 1, block = p / ratio;
     const bool complete = seq % ratio == 0;
     const int64_t start = block * ratio - (ratio == 4 ? ratio : 0);  // c4 also reads the previous block
-    int64_t tail = seq % tail_block;
-    if (ratio == 4 && tail <= 3 && seq >= tail_block) tail += tail_block;
-    const bool write = p >= seq - tail;
-    f[0].push_back(b);                                               // block_req
-    f[1].push_back(b);                                               // state_write_token
-    f[2].push_back(v && complete ? block * ratio : 0);               // block_positions
-    f[3].push_back(v && complete ? rows.at(r, block) : 0);           // block_loc
-    f[4].push_back(v && complete);                                   // block_mask
-    f[5].push_back(v ? start : 0);                                   // state_read_start
-    f[6].push_back(v ? p - start : 0);                               // state_read_len
-    for (int64_t j = 0; j < width; ++j) {                            // state_read_slots
+    const bool write = p >= seq - state_tail_len(tail_table, seq);
+    f[kBlockReq].push_back(b);
+    f[kStateWriteToken].push_back(b);
+    f[kBlockPositions].push_back(v && complete ? block * ratio : 0);
+    f[kBlockLoc].push_back(v && complete ? rows.at(r, block) : 0);
+    f[kBlockMask].push_back(v && complete);
+    f[kStateReadStart].push_back(v ? start : 0);
+    f[kStateReadLen].push_back(v ? p - start : 0);
+    for (int64_t j = 0; j < width; ++j) {
       const int64_t col = start + j;
-      f[7].push_back(v && col >= 0 && col < p ? state.at(r, col) : 0);
+      f[kStateReadSlots].push_back(v && col >= 0 && col < p ? state.at(r, col) : 0);
     }
-    f[8].push_back(v ? p : 0);                                       // state_write_pos
-    f[9].push_back(v && write ? state.at(r, p) : 0);                 // state_write_loc
-    f[10].push_back(v && write);                                     // state_write_mask
-    f[11].push_back(v ? seq / ratio : 0);                            // visible
+    f[kStateWritePos].push_back(v ? p : 0);
+    f[kStateWriteLoc].push_back(v && write ? state.at(r, p) : 0);
+    f[kStateWriteMask].push_back(v && write);
+    f[kVisible].push_back(v ? seq / ratio : 0);
   }
-  for (int64_t i = 0; i < 12; ++i) put(out[i], f[i]);
+  for (int64_t i = 0; i < kNumCompress; ++i) put(out[i], f[i]);
 }
 
 void fill_decode(const at::Tensor& req_t, const at::Tensor& pos_t, const at::Tensor& valid_t,
                  const at::Tensor& swa_table, const at::Tensor& token_table,
                  const c10::optional<at::Tensor>& c4_state, const c10::optional<at::Tensor>& c4_rows,
                  const c10::optional<at::Tensor>& c128_state, const c10::optional<at::Tensor>& c128_rows,
-                 int64_t page_size, int64_t tail_block, at::TensorList main, at::TensorList c4,
-                 at::TensorList c128) {
-  TORCH_CHECK(main.size() == 10, "fill_decode: 10 main buffers");
+                 int64_t page_size, const at::Tensor& c4_tail, const at::Tensor& c128_tail, at::TensorList main,
+                 at::TensorList c4, at::TensorList c128) {
+  TORCH_CHECK(main.size() == kNumMain, "fill_decode: ", kNumMain, " main buffers, got ", main.size());
   auto rq = req_t.to(at::kLong).contiguous(), ps = pos_t.to(at::kLong).contiguous();
   auto vd = valid_t.to(at::kBool).contiguous();
-  const int64_t bs = rq.numel(), window = main[8].size(1), pages = main[9].size(1);
+  const int64_t bs = rq.numel(), window = main[kSwaSlots].size(1), pages = main[kPageTable].size(1);
   std::vector<int64_t> req(bs), pos(bs);
   std::vector<bool> valid(bs);
   for (int64_t b = 0; b < bs; ++b) {
@@ -760,32 +792,32 @@ void fill_decode(const at::Tensor& req_t, const at::Tensor& pos_t, const at::Ten
     pos[b] = valid[b] ? ps.data_ptr<int64_t>()[b] : 0;
   }
   const Table swa{swa_table}, tokens{token_table};
-  std::vector<std::vector<int64_t>> f(10);
+  std::vector<std::vector<int64_t>> f(kNumMain);
   int64_t count = 0;
-  f[4].push_back(0);  // cu_extend
+  f[kCuExtend].push_back(0);
   for (int64_t b = 0; b < bs; ++b) {
     const bool v = valid[b];
     const int64_t r = req[b], p = pos[b], seq = p + 1;
-    f[0].push_back(v ? r : 0);    // req_indices
-    f[1].push_back(v ? p : 0);    // prefix_lens
-    f[2].push_back(v ? seq : 0);  // seq_lens
-    f[3].push_back(v ? 1 : 0);    // extend_lens
+    f[kReqIndices].push_back(v ? r : 0);
+    f[kPrefixLens].push_back(v ? p : 0);
+    f[kSeqLens].push_back(v ? seq : 0);
+    f[kExtendLens].push_back(v ? 1 : 0);
     count += v;
-    f[4].push_back(count);
-    f[5].push_back(v ? p : 0);    // positions
-    f[6].push_back(b);            // token_req
-    f[7].push_back(v ? swa.at(r, p) : 0);  // out_swa_loc
-    for (int64_t j = 0; j < window; ++j) {  // swa_slots: oldest first, -1 before position 0
+    f[kCuExtend].push_back(count);
+    f[kPositions].push_back(v ? p : 0);
+    f[kTokenReq].push_back(b);
+    f[kOutSwaLoc].push_back(v ? swa.at(r, p) : 0);
+    for (int64_t j = 0; j < window; ++j) {  // oldest first, -1 before position 0
       const int64_t key = p - (window - 1 - j);
-      f[8].push_back(v && key >= 0 ? swa.at(r, key) : -1);
+      f[kSwaSlots].push_back(v && key >= 0 ? swa.at(r, key) : -1);
     }
     const int64_t held = (seq + page_size - 1) / page_size;
-    for (int64_t i = 0; i < pages; ++i) f[9].push_back(v && i < held ? tokens.at(r, i * page_size) / page_size : 0);
+    for (int64_t i = 0; i < pages; ++i)
+      f[kPageTable].push_back(v && i < held ? tokens.at(r, i * page_size) / page_size : 0);
   }
-  for (int64_t i = 0; i < 10; ++i) put(main[i], f[i]);
-  if (!c4.empty()) fill_compress(c4.vec(), Table{*c4_state}, Table{*c4_rows}, 4, tail_block, req, pos, valid);
-  if (!c128.empty())
-    fill_compress(c128.vec(), Table{*c128_state}, Table{*c128_rows}, 128, tail_block, req, pos, valid);
+  for (int64_t i = 0; i < kNumMain; ++i) put(main[i], f[i]);
+  if (!c4.empty()) fill_compress(c4, Table{*c4_state}, Table{*c4_rows}, 4, c4_tail, req, pos, valid);
+  if (!c128.empty()) fill_compress(c128, Table{*c128_state}, Table{*c128_rows}, 128, c128_tail, req, pos, valid);
 }
 
 }  // namespace
@@ -793,7 +825,8 @@ void fill_decode(const at::Tensor& req_t, const at::Tensor& pos_t, const at::Ten
 TORCH_LIBRARY(dsv4, m) {
   m.def("fill_decode(Tensor req, Tensor pos, Tensor valid, Tensor swa_table, Tensor token_table, "
         "Tensor? c4_state, Tensor? c4_rows, Tensor? c128_state, Tensor? c128_rows, int page_size, "
-        "int tail_block, Tensor(a!)[] main, Tensor(b!)[] c4, Tensor(c!)[] c128) -> ()");
+        "Tensor c4_tail, Tensor c128_tail, Tensor(a!)[] main, Tensor(b!)[] c4, Tensor(c!)[] c128) -> ()");
+  m.def("fill_decode_fields() -> (str[], str[])", &fill_decode_fields);
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("sink_attention(Tensor q, Tensor keys, Tensor bias, Tensor sinks, float scaling) -> Tensor");
   m.def("rope_rotate(Tensor x, Tensor cos, Tensor sin, bool inverse) -> Tensor");

@@ -5,6 +5,10 @@ All positions are raw-token positions on the request's global grid. Ranges are h
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+P = TypeVar("P")  # a position: an int, or a tensor of them (the arithmetic below serves both)
+
 # The seed's state tail is defined against 128-token blocks (the c128 ratio), whatever the page size.
 STATE_TAIL_BLOCK = 128
 # Watermarks: raw positions of compressor state kept behind the newest position (seed: 8+16, 128+64).
@@ -20,24 +24,23 @@ def page_floor(pos: int, page_size: int) -> int:
     return (pos // page_size) * page_size
 
 
-def c4_state_alloc_len(seq_len: int) -> int:
+def c4_state_alloc_len(seq_len: P) -> P:
     """Raw positions at the end of the sequence that keep c4 compressor state (the seed's formula).
 
     A c4 block borrows the previous block (overlap), so when the partial tail is shorter than one
-    block (tail <= 3) the previous 128 positions are kept too.
+    block (tail <= 3) the previous 128 positions are kept too. Written as arithmetic, so the one rule
+    serves an int and a tensor of positions (the batched decode fill) alike.
     """
-    tail = seq_len % STATE_TAIL_BLOCK
-    if tail <= 3 and seq_len >= STATE_TAIL_BLOCK:
-        return tail + STATE_TAIL_BLOCK
-    return tail
+    tail = seq_len % STATE_TAIL_BLOCK  # type: ignore[operator]
+    return tail + STATE_TAIL_BLOCK * ((tail <= 3) & (seq_len >= STATE_TAIL_BLOCK))  # type: ignore[operator,return-value]
 
 
-def c128_state_alloc_len(seq_len: int) -> int:
+def c128_state_alloc_len(seq_len: P) -> P:
     """Raw positions of the unfinished c128 block: only they need state."""
-    return seq_len % STATE_TAIL_BLOCK
+    return seq_len % STATE_TAIL_BLOCK  # type: ignore[operator,return-value]
 
 
-def state_alloc_len(ratio: int, seq_len: int) -> int:
+def state_alloc_len(ratio: int, seq_len: P) -> P:
     if ratio == 4:
         return c4_state_alloc_len(seq_len)
     if ratio == 128:
@@ -45,9 +48,21 @@ def state_alloc_len(ratio: int, seq_len: int) -> int:
     raise ValueError(f"compress ratio must be 4 or 128, got {ratio}")
 
 
-def state_alloc_offset(ratio: int, seq_len: int) -> int:
+def state_alloc_offset(ratio: int, seq_len: P) -> P:
     """First position of the state tail: positions [offset, seq_len) hold compressor state."""
-    return seq_len - state_alloc_len(ratio, seq_len)
+    return seq_len - state_alloc_len(ratio, seq_len)  # type: ignore[operator,return-value]
+
+
+def state_tail_table(ratio: int) -> list[int]:
+    """state_alloc_len(ratio, seq) as a table of 2 * STATE_TAIL_BLOCK entries, for a kernel that cannot
+    call the rule: entry seq for seq < STATE_TAIL_BLOCK, entry STATE_TAIL_BLOCK + seq % STATE_TAIL_BLOCK
+    beyond (the rule repeats with that period there; checked over four periods)."""
+    b = STATE_TAIL_BLOCK
+    table = [state_alloc_len(ratio, seq) for seq in range(2 * b)]
+    for seq in range(4 * b):
+        if table[seq if seq < b else b + seq % b] != state_alloc_len(ratio, seq):
+            raise AssertionError(f"the state tail of ratio {ratio} is not periodic from {b} on (seq {seq})")
+    return table
 
 
 def state_keep(ratio: int) -> int:
