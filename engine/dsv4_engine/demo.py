@@ -250,7 +250,7 @@ class Progress:
 def _save(model: torch.nn.Module, cfg: dict, out: Path) -> None:
 
     from dsv4_engine.ckpt_names import released_names
-    from dsv4_engine.make_tiny import shipped, write_safetensors
+    from dsv4_engine.make_tiny import shipped, write_configs, write_safetensors
 
     tensors: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
@@ -259,13 +259,7 @@ def _save(model: torch.nn.Module, cfg: dict, out: Path) -> None:
         for rel, r in released_names(name, t.detach()).items():
             tensors[rel] = shipped(rel, r)
     write_safetensors(tensors, out)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    generation = {
-        "bos_token_id": cfg["bos_token_id"],
-        "eos_token_id": cfg["eos_token_id"],
-        "do_sample": False,
-    }
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_configs(out, cfg)
 
 
 def write_checksums(out: Path) -> None:

@@ -255,6 +255,13 @@ def make_tiny(
         for rel, t in released_names(name, draw(name, shape, cfg, seed)).items():
             tensors |= quantise_released(rel, t) if quant == "fp8" else {rel: t}
     write_safetensors(tensors, out, shards)
+    write_configs(out, cfg)
+    write_tokenizer(out, cfg["vocab_size"], cfg["max_position_embeddings"])
+    return out
+
+
+def write_configs(out: Path, cfg: dict) -> None:
+    """config.json and a greedy generation_config.json beside the weights."""
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     generation = {
         "bos_token_id": cfg["bos_token_id"],
@@ -262,8 +269,6 @@ def make_tiny(
         "do_sample": False,
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    write_tokenizer(out, cfg["vocab_size"], cfg["max_position_embeddings"])
-    return out
 
 
 def parser(extra_presets: dict[str, str] | None = None) -> argparse.ArgumentParser:
