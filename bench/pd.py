@@ -779,13 +779,11 @@ def default_model(preset: str) -> Path:
 
 def engine_defaults() -> tuple[int, int]:
     """(prefill chunk, token budget) of the engine's defaults, for the header."""
-    import inspect
+    from dsv4_engine import engine_config
 
-    from dsv4_engine import engine
-
-    page = inspect.signature(engine.LLMEngine.__init__).parameters["page_size"].default
-    chunk = engine.DEFAULT_CHUNK_PAGES * page
-    return chunk, max(engine.DEFAULT_MAX_NUM_BATCHED_TOKENS, chunk)
+    page = engine_config.DEFAULT_PAGE_SIZE
+    chunk = engine_config.DEFAULT_CHUNK_PAGES * page
+    return chunk, max(engine_config.DEFAULT_MAX_NUM_BATCHED_TOKENS, chunk)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from dsv4_engine.config import Dsv4Config
-from dsv4_engine.device import keep_freed_host_memory, resolve_dtype, select_device
+from dsv4_engine.device import keep_freed_host_memory
+from dsv4_engine.engine_config import DEFAULT_MAX_NUM_SEQS, DEFAULT_PAGE_SIZE, EngineConfig
 from dsv4_engine.memory import (
     Dsv4MemoryLayout,
     OutOfPages,
@@ -34,21 +35,9 @@ from dsv4_engine.memory.state_tail import cdiv
 from dsv4_engine.model import Dsv4ForCausalLM
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.sampling_params import SamplingParams
-from dsv4_engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from dsv4_engine.scheduler import Scheduler, SchedulerOutput, Sequence
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_MODEL_LEN = 16384  # caps the RoPE tables; the real model allows 1M positions
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# Per-request prefill chunk when none is given: one page. Attention runs in query blocks over the
-# window keys each block can see, so its cost per token hardly depends on the chunk (on the small
-# preset, CPU, 1 and 2 pages prefill equally fast, 4 pages ~5% slower); many requests' chunks still
-# share one forward, so the linear layers see the whole token budget. -1: no cap.
-DEFAULT_CHUNK_PAGES = 1
-# Without an explicit budget the pools take at most this share of the memory available at start
-# (host memory on CPU, free device memory otherwise), and never more than max_num_seqs full contexts.
-DEFAULT_MEMORY_FRACTION = {"cpu": 0.25}
-DEFAULT_DEVICE_MEMORY_FRACTION = 0.8
 
 
 @dataclass
@@ -86,29 +75,18 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def plan_sizes(
-    layout: Dsv4MemoryLayout,
-    device: torch.device,
-    *,
-    max_num_seqs: int,
-    max_model_len: int,
-    max_num_batched_tokens: int,
-    num_pages: int | None,
-    kv_cache_memory_bytes: int | None,
-) -> PoolSizes:
+def plan_sizes(layout: Dsv4MemoryLayout, cfg: EngineConfig) -> PoolSizes:
     """Pool sizes from `num_pages` (full pages; the other families by formula), an explicit byte
     budget, or by default a share of available memory capped at max_num_seqs full contexts."""
-    kw = {"max_reqs": max_num_seqs, "max_batched_tokens": max_num_batched_tokens}
-    if num_pages is not None:
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        return fixed_pool_sizes(layout, num_pages, **kw)
-    if kv_cache_memory_bytes is None:
-        fraction = DEFAULT_MEMORY_FRACTION.get(device.type, DEFAULT_DEVICE_MEMORY_FRACTION)
-        most = fixed_pool_sizes(layout, max_num_seqs * cdiv(max_model_len, layout.page_size), **kw)
-        wanted = pool_bytes(layout, most) + table_bytes(max_num_seqs, max_model_len)
-        kv_cache_memory_bytes = min(wanted, int(fraction * available_memory(device)))
-    return plan_pool_sizes(layout, kv_cache_memory_bytes, max_ctx=max_model_len, **kw)
+    kw = {"max_reqs": cfg.max_num_seqs, "max_batched_tokens": cfg.max_num_batched_tokens}
+    if cfg.num_pages is not None:
+        return fixed_pool_sizes(layout, cfg.num_pages, **kw)
+    budget = cfg.kv_cache_memory_bytes
+    if budget is None:
+        most = fixed_pool_sizes(layout, cfg.max_num_seqs * cdiv(cfg.max_model_len, layout.page_size), **kw)
+        wanted = pool_bytes(layout, most) + table_bytes(cfg.max_num_seqs, cfg.max_model_len)
+        budget = min(wanted, int(cfg.memory_fraction * available_memory(cfg.device)))
+    return plan_pool_sizes(layout, budget, max_ctx=cfg.max_model_len, **kw)
 
 
 class LLMEngine:
@@ -119,10 +97,10 @@ class LLMEngine:
         device: str | torch.device = "cpu",
         *,
         max_model_len: int | None = None,
-        max_num_seqs: int = 64,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int | None = None,
         chunked_prefill_size: int | None = None,
-        page_size: int = 128,
+        page_size: int = DEFAULT_PAGE_SIZE,
         num_pages: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = True,
@@ -131,59 +109,38 @@ class LLMEngine:
     ) -> None:
         if kwargs:
             log.info("LLMEngine ignores options it does not use yet: %s", sorted(kwargs))
-        self.device = select_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        if self.device.type == "cpu":
-            keep_freed_host_memory()  # page faults on reused temporaries cost up to ~10% of a step
         self.config = Dsv4Config.from_pretrained(model_path)
-        self.max_model_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings)
-        self.max_num_seqs = max_num_seqs
-        if chunked_prefill_size is None:
-            chunked_prefill_size = DEFAULT_CHUNK_PAGES * page_size
-        elif chunked_prefill_size == -1:
-            chunked_prefill_size = None  # chunks limited by the token budget only
-        elif chunked_prefill_size <= 0 or chunked_prefill_size % page_size:
-            raise ValueError(
-                f"chunked_prefill_size {chunked_prefill_size} must be -1 or a positive multiple of "
-                f"page_size {page_size}"
-            )
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, chunked_prefill_size or 0)
-        self.chunked_prefill_size = chunked_prefill_size
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.model = load_model(model_path, self.dtype, self.device, self.max_model_len)
+        cfg = self.engine_config = EngineConfig.build(
+            model_path,
+            dtype,
+            device,
+            max_position_embeddings=self.config.max_position_embeddings,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            chunked_prefill_size=chunked_prefill_size,
+            page_size=page_size,
+            num_pages=num_pages,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enforce_eager=enforce_eager,
+        )
+        if cfg.device.type == "cpu":
+            keep_freed_host_memory()  # page faults on reused temporaries cost up to ~10% of a step
+        self.model = load_model(model_path, cfg.dtype, cfg.device, cfg.max_model_len)
         if tokenizer is None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.tokenizer = tokenizer
 
-        self.layout = Dsv4MemoryLayout.from_config(self.config, page_size=page_size, kv_dtype=self.dtype)
-        self.pool_sizes = plan_sizes(
-            self.layout,
-            self.device,
-            max_num_seqs=max_num_seqs,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
-            num_pages=num_pages,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-        )
+        self.layout = Dsv4MemoryLayout.from_config(self.config, page_size=cfg.page_size, kv_dtype=cfg.dtype)
+        self.pool_sizes = plan_sizes(self.layout, cfg)
         memory = PagedMemory.build(
-            self.layout, self.pool_sizes, max_num_seqs, self.max_model_len, self.device
+            self.layout, self.pool_sizes, cfg.max_num_seqs, cfg.max_model_len, cfg.device
         )
         self.kv_pool, self.req_pool, self.allocator = memory.kv, memory.req_pool, memory.allocator
-        sched_config = SchedulerConfig(
-            page_size=page_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            chunk_size=chunked_prefill_size,
-            eos_token_ids=tuple(self.config.eos_token_ids),
-        )
-        self.scheduler = Scheduler(sched_config, self.allocator)
-        self.runner = ModelRunner(
-            self.model, self.kv_pool, self.allocator, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs
-        )
+        self.scheduler = Scheduler(cfg.scheduler_config(tuple(self.config.eos_token_ids)), self.allocator)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.allocator, **cfg.runner_options())
         t0 = time.perf_counter()
         if warmed := self.runner.warmup():
             log.info("decode: %d batch-size buckets warmed in %.1f s", warmed, time.perf_counter() - t0)
@@ -198,11 +155,36 @@ class LLMEngine:
             "paged pools: %s, %.1f MiB; page %d, max_model_len %d, max_num_seqs %d, token budget %d",
             self.pool_sizes,
             pool_bytes(self.layout, self.pool_sizes) / 2**20,
-            page_size,
-            self.max_model_len,
-            max_num_seqs,
-            max_num_batched_tokens,
+            cfg.page_size,
+            cfg.max_model_len,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
         )
+
+    # The settings the engine's users read, from their one owner.
+    @property
+    def device(self) -> torch.device:
+        return self.engine_config.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine_config.dtype
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine_config.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine_config.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.engine_config.max_num_batched_tokens
+
+    @property
+    def chunked_prefill_size(self) -> int | None:
+        return self.engine_config.chunked_prefill_size
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -1,0 +1,53 @@
+"""EngineConfig: every engine setting resolved once, and what cannot work rejected naming the setting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_engine.engine_config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+
+
+def build(**kw: object) -> EngineConfig:
+    return EngineConfig.build("/ckpt", "float32", "cpu", max_position_embeddings=4096, **kw)  # type: ignore[arg-type]
+
+
+def test_defaults_resolve_against_the_checkpoint_and_the_page() -> None:
+    cfg = build()
+    assert cfg.device == torch.device("cpu") and cfg.dtype == torch.float32
+    assert cfg.max_model_len == min(DEFAULT_MAX_MODEL_LEN, 4096) == 4096  # the checkpoint caps it
+    assert cfg.chunked_prefill_size == cfg.page_size == 128  # one page
+    assert cfg.max_num_batched_tokens == 2048
+    assert build(max_model_len=1000).max_model_len == 1000
+
+
+def test_an_unlimited_chunk_and_a_large_one_set_the_budget() -> None:
+    assert build(chunked_prefill_size=-1).chunked_prefill_size is None
+    big = build(chunked_prefill_size=4096)
+    assert big.chunked_prefill_size == 4096 and big.max_num_batched_tokens == 4096  # a chunk fits a step
+    assert build(chunked_prefill_size=4096, max_num_batched_tokens=8192).max_num_batched_tokens == 8192
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"chunked_prefill_size": 100}, "chunked_prefill_size"),
+        ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
+        ({"num_pages": 0}, "num_pages"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"page_size": 0}, "page_size"),
+    ],
+)
+def test_what_cannot_work_is_rejected_by_name(kw: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        build(**kw)
+
+
+def test_the_scheduler_and_runner_read_their_part() -> None:
+    cfg = build(max_num_seqs=8, chunked_prefill_size=256, enforce_eager=False)
+    sched = cfg.scheduler_config((1,))
+    assert (sched.page_size, sched.max_model_len, sched.max_num_seqs, sched.chunk_size, sched.eos_token_ids) == (
+        128, 4096, 8, 256, (1,),
+    )  # fmt: skip
+    assert sched.max_num_batched_tokens == cfg.max_num_batched_tokens
+    assert cfg.runner_options() == {"enforce_eager": False, "max_num_seqs": 8}
