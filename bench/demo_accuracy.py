@@ -74,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=0, help="score only the first N held-out windows (0: all)")
     a = p.parse_args(argv)
     path = a.model or demo.bundled()
-    torch.manual_seed(0)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))

@@ -126,11 +126,11 @@ class LLMEngine:
         )
         if cfg.device.type == "cpu":
             keep_freed_host_memory()  # page faults on reused temporaries cost up to ~10% of a step
-        self.model = load_model(model_path, cfg.dtype, cfg.device, cfg.max_model_len)
+        self.model = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len)
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+            tokenizer = AutoTokenizer.from_pretrained(str(cfg.model))
         self.tokenizer = tokenizer
 
         self.layout = Dsv4MemoryLayout.from_config(self.config, page_size=cfg.page_size, kv_dtype=cfg.dtype)
