@@ -193,12 +193,18 @@ def test_a_client_that_leaves_either_leg_frees_both(s: dict[str, Any], pd: Any, 
     pd.settle(P, D, initial=s["initial"])
 
 
+@pytest.mark.parametrize("staging", ["auto", "always"])
 def test_sigstopped_prefill_writes_late_into_quarantined_pages_only(
-    s: dict[str, Any], pd: Any, pool: Any
+    s: dict[str, Any], pd: Any, pool: Any, staging: str
 ) -> None:
+    """With staging "always" the late write lands in the decode's staging span, which stays
+    quarantined with the pages (the decode offers a span either way) while the live requests are
+    staged through the same arena."""
     P, D = s["PX"], s["DX"]
     ask = {**PROMPT, "prompt": random_ids(200, seed=9)}
     reference = pd.send_pair(s["PF"], s["DF"], pd.pd_body(s["PF"], ask))[1]
+    for prefill in (P, s["PF"]):
+        prefill.post("/debug/pd/staging", params={"mode": staging}).raise_for_status()
     P.post("/debug/pd/deaf", params={"on": True}).raise_for_status()  # it will write despite the abort
     b = body(P, pd, 500)
     fp, fd = _held_open(P, D, pd, pool, b)
@@ -207,6 +213,7 @@ def test_sigstopped_prefill_writes_late_into_quarantined_pages_only(
         r = fd.result(timeout=120)  # two missed 1 s heartbeats declare it dead
         assert r.status_code == 502 and error(r)["code"] == "pd_prefill_dead", r.text
         assert depth(D, "quarantine") == 1
+        assert depth(D, "staging") == 1  # the span it offered is held too
         live = pd.send_pair(s["PF"], D, pd.pd_body(s["PF"], ask))[1]
         assert live.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
     finally:
@@ -218,6 +225,8 @@ def test_sigstopped_prefill_writes_late_into_quarantined_pages_only(
     live = pd.send_pair(s["PF"], D, pd.pd_body(s["PF"], ask))[1]
     assert live.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
     P.post("/debug/pd/deaf", params={"on": False}).raise_for_status()
+    for prefill in (P, s["PF"]):
+        prefill.post("/debug/pd/staging", params={"mode": "auto"}).raise_for_status()
     pd.settle(P, D, initial=s["initial"])  # the quarantine (10 s here) ends and frees
 
 

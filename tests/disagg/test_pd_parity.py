@@ -169,6 +169,40 @@ def test_decode_pages_hold_the_prefill_bytes(cluster: dict[str, Any], pd: Any) -
     assert sent == received
 
 
+def _writes(server: Any, path: str) -> float:
+    line = f'dsv4_pd_transfer_writes_total{{path="{path}"}}'
+    found = [x for x in httpx.get(f"{server.base}/metrics").text.splitlines() if x.startswith(line)]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+def test_staged_transfers_equal_direct_ones(
+    cluster: dict[str, Any], references: dict[int, list[int]], pd: Any
+) -> None:
+    """Every job packed on the prefill and unpacked on the decode: the same output, the same bytes."""
+    prefill, decode = cluster["P256"], cluster["D1"]
+    prefill.post("/debug/pd/staging", params={"mode": "always"}).raise_for_status()
+    try:
+        staged, direct = _writes(prefill, "staged"), _writes(prefill, "direct")
+        greedy = {"temperature": 0, "ignore_eos": True}
+        with cf.ThreadPoolExecutor(4) as ex:
+            outs = list(
+                ex.map(lambda n: pd_generate(prefill, decode, random_ids(n, seed=n), pd, **greedy), LENGTHS)
+            )
+        for n, out in zip(LENGTHS, outs, strict=True):
+            assert out == references[n], f"prompt of {n} tokens, staged"
+        assert _writes(prefill, "staged") - staged >= len(LENGTHS)  # at least the last job of each
+        assert _writes(prefill, "direct") == direct
+        body = pd.pd_body(
+            prefill, {"input_ids": random_ids(700, seed=4), "sampling_params": {"max_new_tokens": 2}}
+        )
+        p, d = pd.send_pair(prefill, decode, body, "/generate")
+        assert p.status_code == d.status_code == 200
+        assert _room_digests(prefill, body["bootstrap_room"]) == _room_digests(decode, body["bootstrap_room"])
+    finally:
+        prefill.post("/debug/pd/staging", params={"mode": "auto"}).raise_for_status()
+    pd.settle(prefill, decode, initial=cluster["initial"])  # staging spans back too (a PD depth)
+
+
 def test_a_corrupted_source_page_changes_the_first_decode_step(cluster: dict[str, Any], pd: Any) -> None:
     prompt = {
         "input_ids": random_ids(300, seed=5),

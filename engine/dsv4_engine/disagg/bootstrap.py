@@ -36,6 +36,7 @@ class SessionBody(_Body):
     dst_ptrs: dict[StateType, list[int]]
     aux_ptr: int
     fingerprint: dict[str, Any]
+    staging_ptr: int | None = None  # a decode without a staging arena only takes direct writes
 
 
 class ClaimBody(_Body):
@@ -43,10 +44,16 @@ class ClaimBody(_Body):
     prompt_digest: str
 
 
+class StagingSpan(_Body):
+    offset: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+
+
 class TransferBody(_Body):
     decode_id: str
     pages: dict[StateType, list[int]]
     aux_index: int = Field(ge=0)
+    staging: StagingSpan | None = None  # where in its arena the decode takes this room's packed pages
 
 
 class AbortBody(_Body):
@@ -86,8 +93,11 @@ def create_bootstrap_app(rooms: PrefillRooms, *, rank: int = 0) -> FastAPI:
                 PdError("layout_mismatch", f"prefill refuses decode {decode_id}: {diff}", status=409)
             )
         rooms.register(
-            DecodeSession(decode_id, body.mooncake_session, body.dst_ptrs, body.aux_ptr, body.fingerprint)
-        )
+            DecodeSession(
+                decode_id, body.mooncake_session, body.dst_ptrs, body.aux_ptr, body.fingerprint,
+                staging_ptr=body.staging_ptr,
+            )
+        )  # fmt: skip
         log.info("decode server %s registered (Mooncake session %s)", decode_id, body.mooncake_session)
         return JSONResponse({"status": "ok", "ranks": list(ranks.values())})
 
@@ -105,7 +115,8 @@ def create_bootstrap_app(rooms: PrefillRooms, *, rank: int = 0) -> FastAPI:
     async def transfer(room: int, body: TransferBody, request: Request) -> JSONResponse:
         """Held open until the room's transfer ended; a decode that hangs up fails the room."""
         try:
-            r = rooms.set_destination(room, body.decode_id, body.pages, body.aux_index)
+            span = None if body.staging is None else (body.staging.offset, body.staging.nbytes)
+            r = rooms.set_destination(room, body.decode_id, body.pages, body.aux_index, span)
         except PdError as err:
             return _error(err)
         assert r.result is not None
@@ -122,7 +133,7 @@ def create_bootstrap_app(rooms: PrefillRooms, *, rank: int = 0) -> FastAPI:
         if done.exception() is not None:
             err = done.exception()
             return _error(err if isinstance(err, PdError) else PdError("transfer_failed", str(err)))
-        return JSONResponse({"status": "success", "bytes": r.bytes_by_type})
+        return JSONResponse({"status": "success", "bytes": r.bytes_by_type, "staged": r.staged})
 
     @app.delete("/rooms/{room}")
     async def abort(room: int, body: AbortBody) -> dict[str, Any]:

@@ -5,13 +5,16 @@ One task per PD sequence (`receive`), in order:
    the field), the session registered once (destination pointers), a heartbeat on its /health;
 2. claim the room (prompt digest, checked on both sides);
 3. reserve the request's pages and tables (the decode request pool), queueing while pages are short:
-   at most `max_queued` wait, beyond that 503 with Retry-After;
-4. send the destination pages and wait for the transfer, bounded from admission by the waiting
-   timeout, and ended sooner by the heartbeat declaring the peer dead or by a connection error;
-5. admit the request as running from its transferred first token.
-Every failure after 3 gives the pages back; when a write from the prefill may still land in them
-(peer dead or stalled, abort unacknowledged) they stay quarantined for Mooncake's transfer timeout
-plus a margin first. The room is aborted at the prefill so its response ends too.
+   at most `max_queued` wait, beyond that 503 with Retry-After; and a span of the staging arena
+   that holds all of them packed, when one is free (else the prefill writes every page directly);
+4. send the destination pages (and the span) and wait for the transfer, bounded from admission by
+   the waiting timeout, and ended sooner by the heartbeat declaring the peer dead or by a
+   connection error;
+5. unpack the segments the prefill sent staged into the reserved pages, and admit the request as
+   running from its transferred first token.
+Every failure after 3 gives the pages and the span back; when a write from the prefill may still
+land in them (peer dead or stalled, abort unacknowledged) they stay quarantined for Mooncake's
+transfer timeout plus a margin first. The room is aborted at the prefill so its response ends too.
 """
 
 from __future__ import annotations
@@ -27,8 +30,17 @@ from typing import Any
 import httpx
 
 from dsv4_engine.disagg.fingerprint import fingerprint_diff, prompt_digest
-from dsv4_engine.disagg.protocol import PdError, PdTarget, page_digests, register_state, unpack_aux
+from dsv4_engine.disagg.protocol import (
+    PdError,
+    PdTarget,
+    page_digests,
+    register_state,
+    stage_segments,
+    staged_bytes,
+    unpack_aux,
+)
 from dsv4_engine.memory import OutOfPages, StateType
+from dsv4_engine.memory.staging import StagingArena, scatter_pages
 
 log = logging.getLogger("dsv4.pd.decode")
 
@@ -61,6 +73,7 @@ class DecodeReceiver:
         max_queued: int,
         metrics: Any,
         poison: bool = False,
+        staging: StagingArena | None = None,
     ) -> None:
         self.engine = engine
         self.bridge = bridge
@@ -82,7 +95,8 @@ class DecodeReceiver:
         self.checksums: dict[int, dict[str, str]] | None = {} if poison else None  # test hook
         self._tasks: set[asyncio.Task[Any]] = set()  # fire-and-forget work, kept alive until done
         rows = engine.allocator.req_pool.req_to_token.shape[0]
-        components, self.aux = register_state(transport, engine.kv_pool, rows)
+        self.staging = staging  # one span per room being received; freed with (or after) its pages
+        components, self.aux = register_state(transport, engine.kv_pool, rows, staging)
         self.dst_ptrs = {c.state_type: c.data_ptrs for c in components}
 
     def spawn(self, coro: Any) -> None:
@@ -92,7 +106,13 @@ class DecodeReceiver:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors here are expected
 
     def depths(self) -> dict[str, int]:
-        return {"prealloc": self.queued, "transfer": self.receiving, "quarantine": self.quarantined}
+        spans = self.staging.spans if self.staging is not None else 0
+        return {
+            "prealloc": self.queued,
+            "transfer": self.receiving,
+            "quarantine": self.quarantined,
+            "staging": spans,
+        }
 
     def full(self) -> bool:
         return self.queued >= self.max_queued
@@ -152,6 +172,7 @@ class DecodeReceiver:
                 "dst_ptrs": {str(t): p for t, p in self.dst_ptrs.items()},
                 "aux_ptr": self.aux.data_ptr(),
                 "fingerprint": self.fingerprint,
+                "staging_ptr": self.staging.data_ptr if self.staging is not None else None,
             }
             r = await peer.client.put(f"/sessions/{self.decode_id}", json=body)
             if r.status_code != 200:
@@ -202,17 +223,22 @@ class DecodeReceiver:
         """Bring the sequence's state over and admit it; raises PdError (pages already given back)."""
         digest = prompt_digest(prompt_ids)
         req_idx: int | None = None
+        span: tuple[int, int] | None = None  # (offset, bytes) in the staging arena
         peer: PrefillPeer | None = None
         may_land = False  # the prefill may have our page lists, so a write may land in them
         try:
             peer = await self.peer(target)
             await self._claim(peer, target, digest)
             req_idx, pages = await self._reserve(len(prompt_ids), lambda: self._claim(peer, target, digest))
+            span = self._stage_span(pages)
             may_land = True
             self.receiving += 1
             admitted = time.monotonic()
             try:
-                await self._transfer(peer, target, pages, req_idx)
+                staged = await self._transfer(peer, target, pages, req_idx, span)
+                if staged:
+                    assert span is not None
+                    await asyncio.to_thread(self._unpack, pages, span, staged)
             finally:
                 self.receiving -= 1
             self.metrics.pd_transfer_seconds.observe(time.monotonic() - admitted)
@@ -232,8 +258,13 @@ class DecodeReceiver:
             # whether a write may still land in the reserved pages.
             writing = await self._abort_room(peer, target, exc)
             if req_idx is not None:
-                self._release(req_idx, quarantine=may_land and writing)
+                self._release(req_idx, span, quarantine=may_land and writing)
+                span = None
             raise
+        finally:
+            if span is not None:  # unpacked (or never written): nothing can land in it any more
+                assert self.staging is not None
+                self.staging.free(span[0])
 
     async def _claim(self, peer: PrefillPeer, target: PdTarget, digest: str) -> None:
         try:
@@ -272,13 +303,48 @@ class DecodeReceiver:
             if queued:
                 self.queued -= 1
 
-    async def _transfer(
-        self, peer: PrefillPeer, target: PdTarget, pages: dict[StateType, list[int]], req_idx: int
+    def _stage_span(self, pages: dict[StateType, list[int]]) -> tuple[int, int] | None:
+        """A staging span that holds every page of the request packed, if the arena has one free."""
+        if self.staging is None:
+            return None
+        nbytes = staged_bytes(self.engine.kv_pool, pages)
+        offset = self.staging.alloc(nbytes) if nbytes else None
+        return None if offset is None else (offset, nbytes)
+
+    def _unpack(
+        self, pages: dict[StateType, list[int]], span: tuple[int, int], staged: list[list[Any]]
     ) -> None:
+        """Copy the segments the prefill sent packed from the span into the reserved pages. The pages
+        are this request's alone until it is admitted, so this runs beside the engine's steps."""
+        assert self.staging is not None
+        segments = []
+        for item in staged:
+            try:
+                name, lo, hi = item
+                state_type = StateType(name)
+                ids = pages[state_type]
+                if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= len(ids)):
+                    raise ValueError(f"pages [{lo}, {hi}) of {len(ids)}")
+            except (KeyError, TypeError, ValueError) as exc:
+                raise PdError("payload_mismatch", f"the prefill's staged segment {item!r} is invalid: "
+                              f"{exc}") from exc  # fmt: skip
+            segments.append((state_type, ids[lo:hi]))
+        stage_segments(self.engine.kv_pool, segments, self.staging.view(*span), scatter_pages)
+
+    async def _transfer(
+        self,
+        peer: PrefillPeer,
+        target: PdTarget,
+        pages: dict[StateType, list[int]],
+        req_idx: int,
+        span: tuple[int, int] | None,
+    ) -> list[list[Any]]:
+        """Send the destination and wait for the transfer; returns the segments that came staged."""
         body = {
             "decode_id": self.decode_id,
             "pages": {str(t): p for t, p in pages.items()},
             "aux_index": req_idx,
+            "staging": None if span is None else {"offset": span[0], "nbytes": span[1]},
         }
         post = asyncio.ensure_future(
             peer.client.post(
@@ -311,8 +377,13 @@ class DecodeReceiver:
             raise PdError(
                 "prefill_dead", f"prefill {peer.address} went away during room {target.room}"
             ) from exc
-        if r.status_code != 200 or r.json().get("status") != "success":
-            raise PdError.from_body(r.json())
+        answer = r.json()
+        if r.status_code != 200 or answer.get("status") != "success":
+            raise PdError.from_body(answer)
+        staged = answer.get("staged") or []
+        if staged and span is None:
+            raise PdError("payload_mismatch", f"prefill {peer.address} sent staged pages without a span")
+        return list(staged)
 
     async def _abort_room(self, peer: PrefillPeer | None, target: PdTarget, exc: BaseException) -> bool:
         """Tell the prefill to give the room up; True if a write may still land (quarantine)."""
@@ -321,9 +392,10 @@ class DecodeReceiver:
             return True  # nobody to ask: assume the worst
         return await self._delete(target, reason, str(exc) or reason)
 
-    def _release(self, req_idx: int, *, quarantine: bool) -> None:
+    def _release(self, req_idx: int, span: tuple[int, int] | None, *, quarantine: bool) -> None:
         loop = asyncio.get_running_loop()
         if not quarantine:
+            self._free_span(span)
             self.spawn(self._free(req_idx))
             return
         self.quarantined += 1
@@ -334,9 +406,15 @@ class DecodeReceiver:
 
         def release() -> None:
             self.quarantined -= 1
+            self._free_span(span)
             self.spawn(self._free(req_idx))
 
         loop.call_later(self.quarantine, release)
+
+    def _free_span(self, span: tuple[int, int] | None) -> None:
+        if span is not None:
+            assert self.staging is not None
+            self.staging.free(span[0])
 
     async def _free(self, req_idx: int) -> None:
         await self.bridge.run(lambda e: e.free_request(req_idx))

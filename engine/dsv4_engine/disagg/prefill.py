@@ -7,6 +7,10 @@ server can take. Then, after every engine step, `on_step` (engine thread) queues
 step finished: full-family pages (C4, C128, INDEXER) of each completed page as chunks complete, and
 with the last chunk the SWA window, the compressor-state tails and the aux slot (first token and the
 seeded generator's state). One worker thread writes them in order, one Mooncake batch per job.
+A job whose pages are scattered enough that Mooncake's per-entry cost outweighs two copies
+(`transfer.stage_pays`) goes staged, when the decode offered a staging span: the worker packs its
+pages into this server's staging arena and writes them as one entry into the decode's span; the
+transfer's answer lists those segments, and the decode unpacks them into its pages.
 
 Ownership: the engine holds a PD request's pages (`hold=True`) after it finishes or is aborted, and
 only the worker's `close` job releases them, after every earlier write of that room returned. So a
@@ -32,8 +36,11 @@ from dsv4_engine.disagg.protocol import (
     pack_aux,
     page_digests,
     register_state,
+    stage_segments,
+    staged_bytes,
 )
 from dsv4_engine.memory import StateType
+from dsv4_engine.memory.staging import StagingArena, gather_pages
 
 log = logging.getLogger("dsv4.pd.prefill")
 
@@ -51,6 +58,7 @@ class DecodeSession:
     dst_ptrs: dict[StateType, list[int]]
     aux_ptr: int
     fingerprint: dict[str, Any]
+    staging_ptr: int | None = None  # its staging arena, when it has one
     dead: bool = False  # a write to it failed: later rooms fail fast until it registers again
 
 
@@ -71,6 +79,9 @@ class Room:
     claim_digest: str | None = None
     dst_pages: dict[StateType, list[int]] | None = None
     dst_aux: int | None = None
+    dst_staging: tuple[int, int] | None = None  # (offset, bytes) of the decode's span for this room
+    staged_at: int = 0  # bytes of that span the queued staged jobs fill
+    staged: list[tuple[str, int, int]] = field(default_factory=list)  # (type, lo, hi) in span order
     # progress
     started: bool = False
     sent_pages: int = 0  # full-family pages [0, sent_pages) are queued
@@ -86,9 +97,13 @@ class Room:
 @dataclass
 class _Job:
     room: Room
-    entries: Any  # transfer.Entries
+    entries: Any  # transfer.Entries (direct pages and the aux slot)
     nbytes: dict[str, int]
     final: bool
+    # staged: (state type, source pages) packed into the arena, written as one entry to `staged_dst`
+    segments: list[tuple[StateType, list[int]]] = field(default_factory=list)
+    staged_dst: int = 0
+    staged_bytes: int = 0
 
 
 @dataclass
@@ -110,6 +125,7 @@ class PrefillRooms:
         fingerprint: dict[str, Any],
         bootstrap_timeout: float,
         metrics: Any,
+        staging: StagingArena | None = None,
     ) -> None:
         self.engine = engine
         self.bridge = bridge
@@ -122,8 +138,10 @@ class PrefillRooms:
         self.by_request: dict[str, Room] = {}
         self.sessions: dict[str, DecodeSession] = {}
         rows = engine.allocator.req_pool.req_to_token.shape[0]
-        self.components, self.aux = register_state(transport, engine.kv_pool, rows)
+        self.staging = staging  # the worker's: it packs one job at a time
+        self.components, self.aux = register_state(transport, engine.kv_pool, rows, staging)
         self.src_ptrs = {c.state_type: c.data_ptrs for c in self.components}
+        self.stage_mode = "auto"  # test hook: "always" / "never" override transfer.stage_pays
         # Test hooks (DSV4_TEST_HOOKS): perturb one source page before the next send; keep per-room
         # digests of the bytes sent, for comparison with the decode side's.
         self.corrupt_next: StateType | None = None
@@ -230,7 +248,12 @@ class PrefillRooms:
         return room
 
     def set_destination(
-        self, number: int, decode_id: str, pages: dict[StateType, list[int]], aux: int
+        self,
+        number: int,
+        decode_id: str,
+        pages: dict[StateType, list[int]],
+        aux: int,
+        staging: tuple[int, int] | None = None,
     ) -> Room:
         room = self.rooms.get(number)
         if room is None or room.session is None or room.session.decode_id != decode_id:
@@ -248,6 +271,7 @@ class PrefillRooms:
                                     f"prefill has {[str(t) for t in self.src_ptrs]}"))  # fmt: skip
             return room
         room.dst_pages, room.dst_aux = pages, aux
+        room.dst_staging = staging if room.session.staging_ptr is not None else None
         self._maybe_start(room)
         return room
 
@@ -353,14 +377,17 @@ class PrefillRooms:
         src_all = self.engine.payloads(seq.req_idx, len(seq.prompt_token_ids), types)
         src: dict[StateType, list[int]] = {}
         dst: dict[StateType, list[int]] = {}
+        spans: dict[StateType, tuple[int, int]] = {}
         for t in types:
-            lo, hi = (room.sent_pages, done_pages) if t in _APPEND_ONLY else (0, None)
             s, d = src_all[t], room.dst_pages[t]
+            # Page lists of compressed types can be shorter than the prompt's pages (rows [0, n//4)).
+            hi = min(done_pages, len(s)) if t in _APPEND_ONLY else len(s)
+            lo = min(room.sent_pages, hi) if t in _APPEND_ONLY else 0
             if len(s) != len(d):
                 raise PdError(
                     "payload_mismatch", f"{t}: prefill sends {len(s)} pages, decode expects {len(d)}"
                 )
-            src[t], dst[t] = s[lo:hi], d[lo:hi]
+            src[t], dst[t], spans[t] = s[lo:hi], d[lo:hi], (lo, hi)
         if self.corrupt_next is not None and self.corrupt_next in src:
             self._corrupt(self.corrupt_next, src[self.corrupt_next])
         room.sent_pages = done_pages
@@ -369,15 +396,35 @@ class PrefillRooms:
                 room.src_sent.setdefault(t, []).extend(pages)
         entries = plan_writes(self.components, room.session.dst_ptrs, src, dst)
         nbytes = _bytes_by_type(self.components, src)
+        job = _Job(room, entries, nbytes, final)
+        packed = staged_bytes(self.engine.kv_pool, src)
+        if packed and self._stages(room, len(entries), packed):
+            assert room.dst_staging is not None and room.session.staging_ptr is not None
+            job.entries = Entries()  # the pages go packed; the aux slot (below) stays direct
+            job.segments = [(t, pages) for t, pages in src.items()]
+            job.staged_dst = room.session.staging_ptr + room.dst_staging[0] + room.staged_at
+            job.staged_bytes = packed
+            room.staged_at += packed
+            room.staged.extend((str(t), *spans[t]) for t, pages in src.items() if any(pages))
         if final:
             assert token is not None and room.dst_aux is not None
             slot = self.aux[seq.req_idx]
             pack_aux(slot, token, seq.generator)
-            entries.extend(
+            job.entries.extend(
                 Entries.one(slot.data_ptr(), room.session.aux_ptr + room.dst_aux * AUX_BYTES, AUX_BYTES)
             )
-        if len(entries) or final:
-            self._jobs.put(_Job(room, entries, nbytes, final))
+        if len(job.entries) or job.staged_bytes or final:
+            self._jobs.put(job)
+
+    def _stages(self, room: Room, entries: int, packed: int) -> bool:
+        """Whether this job goes packed: both sides have room for it and it pays (or a test says so)."""
+        from dsv4_engine.disagg.transfer import stage_pays
+
+        if self.staging is None or room.dst_staging is None or self.stage_mode == "never":
+            return False
+        if packed > self.staging.nbytes or room.staged_at + packed > room.dst_staging[1]:
+            return False
+        return self.stage_mode == "always" or stage_pays(entries, packed)
 
     def _corrupt(self, state_type: StateType, pages: list[int]) -> None:
         bufs = self.engine.kv_pool.buffers_by_type()[state_type]
@@ -405,7 +452,7 @@ class PrefillRooms:
                 room.writing = True
             assert room.session is not None
             try:
-                self.transport.write(room.session.mooncake_session, job.entries)
+                self._write(room.session.mooncake_session, job)
             except Exception as exc:  # one failed write blacklists the session until it re-registers
                 room.session.dead = True
                 err = PdError(
@@ -422,6 +469,27 @@ class PrefillRooms:
                     self.checksums[room.room] = page_digests(self.engine.kv_pool, room.src_sent)
                 self._close(room)
                 self.loop.call_soon_threadsafe(self._succeed, room)
+
+    def _write(self, peer: str, job: _Job) -> None:
+        """One job into the decode's memory: its direct entries, and its packed pages as one more."""
+        from dsv4_engine.disagg.transfer import Entries
+
+        if not job.staged_bytes:
+            self.transport.write(peer, job.entries)
+            self.metrics.pd_writes.labels("direct").inc()
+            return
+        assert self.staging is not None
+        offset = self.staging.alloc(job.staged_bytes)
+        assert offset is not None, "the worker packs one job at a time into an arena that holds it"
+        try:
+            span = self.staging.view(offset, job.staged_bytes)
+            stage_segments(self.engine.kv_pool, job.segments, span, gather_pages)
+            entries = Entries.one(span.data_ptr(), job.staged_dst, job.staged_bytes)
+            entries.extend(job.entries)
+            self.transport.write(peer, entries)
+        finally:
+            self.staging.free(offset)
+        self.metrics.pd_writes.labels("staged").inc()
 
     def _close(self, room: Room) -> None:
         """Every write of the room has returned: the engine may free its pages now."""

@@ -8,8 +8,10 @@ prompt). The prefill server runs a bootstrap endpoint (bootstrap.py); the decode
   GET  /route                         ->   fingerprint, ranks (Mooncake session per rank)
   PUT  /sessions/{decode_id}          ->   its fingerprint and destination buffer pointers (once)
   PUT  /rooms/{room}                  ->   claims the room: prompt digest and length (at arrival)
-  POST /rooms/{room}/transfer         ->   destination pages per state type and aux slot; the
-                                           answer is held until the transfer ended (success/failed)
+  POST /rooms/{room}/transfer         ->   destination pages per state type, aux slot and (if the
+                                           decode has room) a staging span; the answer is held
+                                           until the transfer ended (success/failed), and lists the
+                                           segments that went staged, for the decode to unpack
   DELETE /rooms/{room}                ->   abort (queue full, client gone, timeout); the answer says
                                            whether a write may still land ("writing": quarantine)
   GET  /health                        ->   heartbeat
@@ -22,10 +24,13 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from dsv4_engine.memory.staging import StagingArena, staged_nbytes
 
 # Bytes of one request's aux slot: int64 first token, int64 generator-state length, the state
 # (5056 bytes for torch's CPU Mersenne Twister, 16 on CUDA), padded.
@@ -79,16 +84,53 @@ class PdTarget:
         return f"{self.host}:{self.port}"
 
 
-def register_state(transport: Any, kv_pool: Any, rows: int) -> tuple[list[Any], torch.Tensor]:
-    """Register every buffer of `pd_state_components()` and an aux slot per request row with the
-    transport, once: the same on both sides (the prefill reads from them, the decode is written)."""
+def register_state(
+    transport: Any, kv_pool: Any, rows: int, staging: StagingArena | None = None
+) -> tuple[list[Any], torch.Tensor]:
+    """Register every buffer of `pd_state_components()`, an aux slot per request row and the staging
+    arena (if any) with the transport, once: the same on both sides (the prefill reads from them,
+    the decode is written)."""
     components = kv_pool.pd_state_components()
     aux = torch.zeros((rows, AUX_BYTES), dtype=torch.uint8)
+    extra = [(aux.data_ptr(), aux.nbytes)]
+    if staging is not None:
+        extra.append((staging.data_ptr, staging.nbytes))
     transport.register(
-        [p for c in components for p in c.data_ptrs] + [aux.data_ptr()],
-        [n for c in components for n in c.data_lens] + [aux.nbytes],
+        [p for c in components for p in c.data_ptrs] + [p for p, _ in extra],
+        [n for c in components for n in c.data_lens] + [n for _, n in extra],
     )
     return components, aux
+
+
+def staged_bytes(kv_pool: Any, pages: dict[Any, list[int]]) -> int:
+    """Bytes the pages of every listed state type take packed (memory.staging's layout)."""
+    buffers = kv_pool.buffers_by_type()
+    return sum(staged_nbytes(buffers[t], sum(1 for p in ids if p)) for t, ids in pages.items())
+
+
+def stage_segments(
+    kv_pool: Any,
+    segments: list[tuple[Any, list[int]]],
+    span: torch.Tensor,
+    copy: Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None],
+) -> int:
+    """Run `copy` (staging.gather_pages or scatter_pages) over (state type, page list) segments laid
+    out one after another in `span` (sentinel pages skipped); returns the bytes used. Both sides walk
+    the same segments over their own page lists, so equal lists give equal layouts."""
+    buffers = kv_pool.buffers_by_type()
+    at = 0
+    for state_type, ids in segments:
+        pages = [p for p in ids if p]
+        if not pages:
+            continue
+        n = staged_nbytes(buffers[state_type], len(pages))
+        if at + n > span.numel():
+            raise PdError(
+                "payload_mismatch", f"staged {state_type} pages overrun the {span.numel()}-byte staging span"
+            )
+        copy(buffers[state_type], torch.tensor(pages, dtype=torch.long), span[at : at + n])
+        at += n
+    return at
 
 
 def page_digests(kv_pool: Any, pages: dict[Any, list[int]]) -> dict[str, str]:

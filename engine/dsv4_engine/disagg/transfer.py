@@ -42,6 +42,19 @@ MOONCAKE_ENV_DEFAULTS: dict[str, str] = {
 }
 
 
+# The cost model that decides whether a write goes staged (the sender packs the pages into one span,
+# one entry, the receiver unpacks): bench/pd_transfer.py, small preset, 4096 tokens, fragmented pools,
+# 2 shared cores: each entry past the first costs ~18 us (302 entries 6.9 ms, one entry 1.6 ms), and
+# packing or unpacking runs at about memcpy's single-thread rate (kernels/pages.cpp, ~10 GB/s).
+ENTRY_SECONDS = 18e-6
+STAGE_BYTES_PER_SECOND = 10e9
+
+
+def stage_pays(entries: int, nbytes: int) -> bool:
+    """Whether packing `nbytes` on both sides (one entry) beats writing them as `entries` entries."""
+    return (entries - 1) * ENTRY_SECONDS > 2 * nbytes / STAGE_BYTES_PER_SECOND
+
+
 class TransferError(RuntimeError):
     """A Mooncake call failed (initialize, register or a write)."""
 

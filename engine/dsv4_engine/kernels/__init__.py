@@ -1,13 +1,14 @@
 """Fused CPU kernels for the decode step: `torch.ops.dsv4.*` (mHC, routed experts, norms, RoPE, the
-decode metadata fill, and attention over the paged pools).
+decode metadata fill, and attention over the paged pools), and the page staging of PD transfers.
 
 Eager torch pays a Python dispatch per op (5-10 us on these machines), and an aten op called from
 C++ still pays its own setup (~5 us); the mHC Sinkhorn alone is ~80 ops per sub-block. So at decode
 sizes the kernels are plain fp32 loops, one dispatch each: `cpu.cpp` for mHC, norms, RoPE, the
 router, experts and projections (a skinny AVX2 GEMM), `attention.cpp` for a layer's compressors,
 indexer top-k and attention, reading the pools in place instead of ~50 gathers, masks and
-concatenations. Other dtypes, and many rows where BLAS wins, run the aten ops. It is built with
-torch's C++ extension tooling on first use into
+concatenations, `pages.cpp` for packing a request's scattered pages into one PD transfer buffer
+(one call per state type instead of an index_select per layer buffer). Other dtypes, and many rows
+where BLAS wins, run the aten ops. It is built with torch's C++ extension tooling on first use into
 `$XDG_CACHE_HOME/dsv4/kernels/<hash>` (the hash covers the sources, torch's version and the compiler
 flags), so a second process only loads the shared library. Each op has a fake (meta) implementation,
 so `torch.compile` keeps it as one opaque call.
@@ -32,7 +33,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp", "pages.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("rows.h", "simd.h"))
 CFLAGS = ("-O3",)
 _state: dict[str, bool] = {}
@@ -113,6 +114,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dsv4::index_topk")
     def _(q, weights, keys, page_table, visible, ratio, page_size, scale, k):  # type: ignore[no-untyped-def]
         return q.new_empty(q.shape[0], k, dtype=torch.long)
+
+    @torch.library.register_fake("dsv4::gather_pages")
+    def _(buffers, pages, staged):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("dsv4::scatter_pages")
+    def _(buffers, pages, staged):  # type: ignore[no-untyped-def]
+        return None
 
     @torch.library.register_fake("dsv4::paged_attention")
     def _(q, swa, swa_slots, comp, page_table, rows, visible, ratio, page_size, sinks, scaling):  # type: ignore[no-untyped-def]

@@ -34,6 +34,7 @@ class ServerSettings:
     waiting_timeout: float = 300.0
     heartbeat_interval: float = 5.0
     heartbeat_failures: int = 2
+    staging_mib: int = 64
     tp_size: int = 1
     ep_size: int = 1
     log_level: str = "info"
@@ -67,6 +68,13 @@ def _positive(kind: type) -> Any:
         return value
 
     return parse
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(int),
         default=2,
         help="decode: missed health checks after which a prefill server's rooms fail",
+    )
+    p.add_argument(
+        "--disaggregation-staging-mib",
+        dest="staging_mib",
+        type=_non_negative_int,
+        default=64,
+        help="PD: MiB of registered staging memory; a request whose pages are scattered goes packed "
+        "through it as one transfer entry instead of one per page run (decode: a span per request "
+        "being received; prefill: one write at a time); 0 writes every page directly",
     )
     p.add_argument("--tp-size", type=_positive(int), default=1)
     p.add_argument("--ep-size", type=_positive(int), default=1)

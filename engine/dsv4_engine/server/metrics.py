@@ -136,6 +136,13 @@ class ServerMetrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        self.pd_writes = Counter(
+            f"{PREFIX}_pd_transfer_writes",
+            "Mooncake writes to decode servers (prefill side), by path: direct (an entry per page run "
+            "per layer buffer) or staged (the pages packed into one entry, unpacked by the decode).",
+            ["path"],
+            registry=r,
+        )
         self.pd_failures = Counter(
             f"{PREFIX}_pd_failures", "PD requests that failed, by reason.", ["reason"], registry=r
         )

@@ -219,6 +219,11 @@ async def setup(ctx: ServerContext, engine: Any) -> None:
         transfer_hostname(transfer_host(s), s.transfer_protocol), s.transfer_protocol
     )
     ctx.transport = transport
+    staging = None
+    if s.staging_mib:
+        from dsv4_engine.memory.staging import StagingArena
+
+        staging = StagingArena(s.staging_mib << 20, engine.kv_pool.device)
     hooks = os.environ.get("DSV4_TEST_HOOKS") == "1"
     if hooks:
         engine.runner.logit_probe = {}
@@ -229,7 +234,7 @@ async def setup(ctx: ServerContext, engine: Any) -> None:
 
         rooms = PrefillRooms(
             engine, ctx.bridge, transport, loop, fingerprint=ctx.fingerprint,
-            bootstrap_timeout=s.bootstrap_timeout, metrics=ctx.metrics,
+            bootstrap_timeout=s.bootstrap_timeout, metrics=ctx.metrics, staging=staging,
         )  # fmt: skip
         ctx.pd = rooms
         if hooks:
@@ -244,7 +249,7 @@ async def setup(ctx: ServerContext, engine: Any) -> None:
             engine, ctx.bridge, transport, fingerprint=ctx.fingerprint,
             waiting_timeout=s.waiting_timeout, heartbeat_interval=s.heartbeat_interval,
             heartbeat_failures=s.heartbeat_failures, quarantine=quarantine_seconds(dict(os.environ)),
-            max_queued=s.max_waiting, metrics=ctx.metrics, poison=hooks,
+            max_queued=s.max_waiting, metrics=ctx.metrics, poison=hooks, staging=staging,
         )  # fmt: skip
         log.info("decode receiver %s, Mooncake session %s", ctx.pd.decode_id, transport.session_id)
 

@@ -57,6 +57,15 @@ async def deaf(request: Request, on: bool = True) -> JSONResponse:
     return JSONResponse({"deaf": on})
 
 
+@router.post("/pd/staging")
+async def staging(request: Request, mode: str) -> JSONResponse:
+    """Prefill: write every job packed ("always"), never ("never"), or by the cost model ("auto")."""
+    if mode not in ("always", "never", "auto"):
+        return JSONResponse({"error": f"mode must be always, never or auto, got {mode!r}"}, status_code=400)
+    request.app.state.ctx.pd.stage_mode = mode
+    return JSONResponse({"mode": mode})
+
+
 @router.get("/pd")
 async def pd_state(request: Request) -> JSONResponse:
     ctx = request.app.state.ctx
