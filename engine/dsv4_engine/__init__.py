@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "package_version"]
+
+
+def package_version() -> str:
+    """The installed `dsv4` distribution's version (`dsv4 --version`, /server_info)."""
+    try:
+        return importlib.metadata.version("dsv4")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
 
 
 def __getattr__(name: str) -> Any:

@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: dsv4 COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: dsv4 COMMAND [ARGS...] | dsv4 --version", "", "commands:"]
     lines += [f"  {name.ljust(width)}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] == "--version":
+        from dsv4_engine import package_version  # the package's __init__ only: no torch
+
+        print(f"dsv4 {package_version()}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

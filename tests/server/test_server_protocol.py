@@ -1,4 +1,5 @@
-"""Request validation: every field is honoured or rejected with a 400 naming it."""
+"""Request validation: every declared field is honoured or rejected with a 400 naming it; unknown
+top-level fields are dropped and listed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from pydantic import ValidationError
 
 from dsv4_engine.server.errors import ApiError, from_validation_errors
 from dsv4_engine.server.metrics import ServerMetrics
-from dsv4_engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from dsv4_engine.server.protocol import (
+    OPENAI_CHAT_FIELDS,
+    OPENAI_COMPLETION_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -40,7 +47,12 @@ def _error(model: Any, body: dict[str, Any]) -> ApiError:
         ),
         (CompletionRequest, {"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias", "unsupported_parameter"),
         (CompletionRequest, {"prompt": "x", "suffix": "y"}, "suffix", "unsupported_parameter"),
-        (CompletionRequest, {"prompt": "x", "whatever": 1}, "whatever", "unknown_parameter"),
+        (
+            CompletionRequest,
+            {"prompt": "x", "stream_options": {"x": 1}},
+            "stream_options.x",
+            "unknown_parameter",
+        ),
         (CompletionRequest, {"prompt": "x", "max_tokens": "16"}, "max_tokens", "invalid_type"),
         (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens", "invalid_value"),
         (CompletionRequest, {"prompt": "x", "temperature": 2.5}, "temperature", "invalid_value"),
@@ -80,6 +92,37 @@ def _error(model: Any, body: dict[str, Any]) -> ApiError:
         (ChatCompletionRequest, {"messages": []}, "messages", "invalid_value"),
         (
             ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": None}]},
+            "messages[0].content",
+            "invalid_value",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": None}]},
+            "messages[1].content",
+            "invalid_value",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user"}]},
+            "messages[0].content",
+            "missing_required_parameter",
+        ),
+        (
+            # The one null OpenAI allows (an assistant turn with tool_calls): refused for tool_calls.
+            ChatCompletionRequest,
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
+            "messages[0].tool_calls",
+            "unsupported_parameter",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "prompt_cache_retention": "24h"},
+            "prompt_cache_retention",
+            "unsupported_parameter",
+        ),
+        (
+            ChatCompletionRequest,
             {"messages": [{"role": "tool", "content": "x"}]},
             "messages[0].role",
             "invalid_value",
@@ -115,6 +158,40 @@ def test_rejections_name_the_field(model: Any, body: dict[str, Any], param: str,
 def test_stream_options_require_stream() -> None:
     err = _error(CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}})
     assert err.status == 400 and "stream_options" in err.message
+
+
+def test_unknown_top_level_fields_are_dropped_and_listed() -> None:
+    body = {"prompt": "x", "nvext": {"ignore_eos": True}, "return_routed_experts": False, "max_tokens": 2}
+    req = CompletionRequest.model_validate(body)
+    assert req.ignored_fields == ["nvext", "return_routed_experts"]  # in the request's order
+    assert req.max_tokens == 2 and not hasattr(req, "nvext")
+    assert CompletionRequest.model_validate({"prompt": "x"}).ignored_fields == []
+    chat = ChatCompletionRequest.model_validate({"messages": USER, "chat_id": 1})
+    assert chat.ignored_fields == ["chat_id"]
+    gen = GenerateRequest.model_validate({"text": "x", "return_routed_experts": False, "lora_path": None})
+    assert gen.ignored_fields == ["return_routed_experts"]  # lora_path is declared (null = off)
+
+
+def test_every_openai_field_is_declared() -> None:
+    # openai-python's own lists of request fields: each must be honoured or refused, never ignored.
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import completion_create_params as chat
+
+    for params, ours, model in (
+        (completion.CompletionCreateParamsBase, OPENAI_COMPLETION_FIELDS, CompletionRequest),
+        (chat.CompletionCreateParamsBase, OPENAI_CHAT_FIELDS, ChatCompletionRequest),
+    ):
+        assert set(params.__annotations__) | {"stream"} <= ours
+        assert ours <= set(model.model_fields), sorted(ours - set(model.model_fields))
+        assert model.openai_fields == ours
+
+
+def test_an_undeclared_openai_field_is_refused_not_ignored() -> None:
+    class Newer(CompletionRequest):  # as if OpenAI added a field the model does not declare yet
+        openai_fields = OPENAI_COMPLETION_FIELDS | {"new_knob"}
+
+    err = _error(Newer, {"prompt": "x", "new_knob": 1})
+    assert (err.param, err.code) == ("new_knob", "unsupported_parameter")
 
 
 def test_generate_needs_exactly_one_input() -> None:

@@ -18,8 +18,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from dsv4_engine.server import openai_routes, sglang_routes, test_hooks
-from dsv4_engine.server.args import ServerSettings
+from dsv4_engine.server import openai_routes, sglang_routes, test_hooks, tokenizer_routes
+from dsv4_engine.server.args import ServerSettings, resolve_device
 from dsv4_engine.server.errors import install_handlers
 from dsv4_engine.server.generation import GenSpec, Lease, outcomes, sampling_params, start
 from dsv4_engine.server.metrics import CONTENT_TYPE
@@ -37,9 +37,8 @@ def default_engine_factory(settings: ServerSettings) -> EngineFactory:
     def build() -> Any:
         from dsv4_engine.engine import LLMEngine
 
-        return LLMEngine(
-            settings.model, dtype=settings.dtype, device=settings.device, **settings.engine_kwargs()
-        )
+        device = resolve_device(settings.device)  # `auto` means the same here as in `dsv4 serve`
+        return LLMEngine(settings.model, dtype=settings.dtype, device=device, **settings.engine_kwargs())
 
     return build
 
@@ -141,6 +140,7 @@ def create_app(
     app.add_middleware(ServingMiddleware, api_key=settings.api_key)
     app.include_router(openai_routes.router)
     app.include_router(sglang_routes.router)
+    app.include_router(tokenizer_routes.router)
     if test_hooks.enabled():
         app.include_router(test_hooks.router)
 

@@ -86,6 +86,10 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> ApiError:
     if kind == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
         return bad_request(f"request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json")
+    if kind == "extra_forbidden" and param is not None and param.isidentifier():
+        # Unknown top-level fields are dropped before validation (protocol._Request); one that is
+        # still here is a field OpenAI defines that the model does not declare.
+        return bad_request(f"'{param}' is {UNSUPPORTED_MARK}", param, "unsupported_parameter")
     if kind == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     if kind == "missing":

@@ -1,5 +1,8 @@
 """`dsv4 serve`: one model, one process, uvicorn on the given host and port.
 
+The checkpoint directory, the device and the engine's settings are checked before the port is
+bound: a bad one exits 2 with one line naming the flag.
+
 SIGTERM (or the first SIGINT) drains instead of stopping at once: /health and new requests get 503
 while the listening socket stays open, in-flight requests finish (up to --grace-period, then they are
 aborted), and the process exits 0. A second signal stops immediately.
@@ -16,7 +19,7 @@ from types import FrameType
 import uvicorn
 
 from dsv4_engine.server.app import create_app
-from dsv4_engine.server.args import ServerSettings, parse
+from dsv4_engine.server.args import ServerSettings, SettingsError, check, parse
 from dsv4_engine.server.state import ServerContext
 
 log = logging.getLogger("dsv4.server")
@@ -87,6 +90,13 @@ def _configure_logging(level: str) -> None:
 def main(argv: list[str]) -> int:
     settings = parse(argv)
     _configure_logging(settings.log_level)
+    asked = settings.device
+    try:
+        settings = check(settings)
+    except SettingsError as exc:
+        print(f"dsv4 serve: error: {exc}", file=sys.stderr)
+        return 2
+    log.info("device: %s%s", settings.device, " (from --device auto)" if asked == "auto" else "")
     prime_compute_on_main_thread()
     holder: dict[str, DrainingServer] = {}
     app = create_app(settings, on_fatal=lambda exc: holder["server"].fail(exc))

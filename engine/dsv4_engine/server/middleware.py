@@ -1,4 +1,5 @@
-"""Pure-ASGI middleware: x-request-id, API key, body-size limit, one access-log line per request.
+"""Pure-ASGI middleware: x-request-id, API key, body-size limit, one access-log line per request,
+and the `x-dsv4-ignored-fields` header of a request whose unknown fields were ignored.
 
 Pure ASGI (not BaseHTTPMiddleware) so that streaming responses and disconnect detection pass through
 untouched.
@@ -13,6 +14,7 @@ import re
 import time
 import uuid
 from typing import Any
+from urllib.parse import quote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -21,10 +23,22 @@ from dsv4_engine.server.errors import error_body
 log = logging.getLogger("dsv4.server.access")
 
 REQUEST_ID_HEADER = "x-request-id"
+IGNORED_FIELDS_HEADER = "x-dsv4-ignored-fields"
+IGNORED_FIELDS_STATE = "ignored_fields"  # request.state key a route sets (openai_routes.report_ignored)
+MAX_LISTED_FIELDS = 32  # a header (and log line) stays small whatever the body holds
 MAX_BODY_BYTES = 32 * 1024 * 1024
 _OPEN_PATHS = {"/health", "/metrics"}  # probes and scrapers carry no key
 _QUIET_PATHS = {"/health", "/metrics", "/get_load"}  # polled constantly: log at debug only
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:/=+\-]{1,128}$")
+
+
+def field_list(names: list[str]) -> str:
+    """Comma-separated, each name percent-encoded: JSON keys may hold commas, CR/LF or non-ASCII,
+    none of which may reach a header or a log line as they are."""
+    shown = [quote(n, safe="") or '""' for n in names[:MAX_LISTED_FIELDS]]
+    if len(names) > MAX_LISTED_FIELDS:
+        shown.append(f"...({len(names) - MAX_LISTED_FIELDS} more)")
+    return ",".join(shown)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -73,7 +87,12 @@ class ServingMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status_holder["status"] = message["status"]
-                message["headers"] = [*message.get("headers", []), id_header]
+                extra = [id_header]
+                # Set by the route before it answers (errors and streams included).
+                ignored = scope["state"].get(IGNORED_FIELDS_STATE)
+                if ignored:
+                    extra.append((IGNORED_FIELDS_HEADER.encode(), field_list(ignored).encode()))
+                message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
         try:

@@ -25,8 +25,15 @@ from dsv4_engine.server.generation import (
     sampling_params,
     start_all,
 )
+from dsv4_engine.server.middleware import IGNORED_FIELDS_STATE, field_list
 from dsv4_engine.server.prompts import encode_chat, encode_prompt
-from dsv4_engine.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling, stop_list
+from dsv4_engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Request,
+    _Sampling,
+    stop_list,
+)
 from dsv4_engine.server.state import ServerContext
 from dsv4_engine.server.streaming import DONE, ClientGone, merge, sse, sse_response, unless_disconnected
 
@@ -52,6 +59,21 @@ def spec_from(req: _Sampling) -> GenSpec:
         stop=stop_list(req.stop),
         stop_token_ids=list(req.stop_token_ids or []),
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+    )
+
+
+def report_ignored(request: Request, req: _Request) -> None:
+    """One warning per request naming the unknown fields it carried; the middleware then answers
+    with them in `x-dsv4-ignored-fields`. Call first, so that error answers carry the header too."""
+    ignored = req.ignored_fields
+    if not ignored:
+        return
+    setattr(request.state, IGNORED_FIELDS_STATE, ignored)
+    log.warning(
+        "%s: ignored request fields this server does not know: %s x-request-id=%s",
+        request.url.path,
+        field_list(ignored),
+        getattr(request.state, "request_id", "-"),
     )
 
 
@@ -141,6 +163,7 @@ async def _collect(
 @router.post("/v1/completions", response_model=None)
 async def completions(req: CompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
+    report_ignored(request, req)
     ctx = _ctx(request)
     pd.check_admission(ctx, req)
     ctx.require_model(req.model)
@@ -256,6 +279,7 @@ async def _stream_completion(
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
+    report_ignored(request, req)
     ctx = _ctx(request)
     pd.check_admission(ctx, req)
     ctx.require_model(req.model)

@@ -7,7 +7,7 @@ from typing import Any
 
 from dsv4_engine.server.errors import bad_request
 from dsv4_engine.server.generation import check_token_ids
-from dsv4_engine.server.protocol import ChatCompletionRequest
+from dsv4_engine.server.protocol import ChatCompletionRequest, ChatMessage
 from dsv4_engine.server.state import ServerContext
 
 # Tokenising this much text inline would hold the event loop for more than about a millisecond.
@@ -32,22 +32,27 @@ _RESERVED_TEMPLATE_KWARGS = {
 }
 
 
+async def tokenize_text(ctx: ServerContext, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    if len(text) <= _INLINE_CHARS:
+        ids = ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    else:
+        ids = await asyncio.to_thread(ctx.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    return list(ids)
+
+
 async def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str = "prompt") -> list[int]:
     if isinstance(prompt, list):
         check_token_ids(ctx, prompt, param)
         return prompt
-    if len(prompt) <= _INLINE_CHARS:
-        ids = ctx.tokenizer.encode(prompt)
-    else:
-        ids = await asyncio.to_thread(ctx.tokenizer.encode, prompt)
+    ids = await tokenize_text(ctx, prompt)
     if not ids:
         raise bad_request("the prompt is empty after tokenisation", param)
-    return list(ids)
+    return ids
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for m in req.messages:
+    for m in messages:
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.name is not None:
             msg["name"] = m.name
@@ -57,16 +62,22 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    kwargs = dict(req.chat_template_kwargs or {})
+def _render_chat(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    template_kwargs: dict[str, Any] | None,
+    add_generation_prompt: bool | None,
+    continue_final_message: bool | None,
+) -> list[int]:
+    kwargs = dict(template_kwargs or {})
     clash = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
     if clash:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
-    cont = bool(req.continue_final_message)
-    add_prompt = (not cont) if req.add_generation_prompt is None else req.add_generation_prompt
+    cont = bool(continue_final_message)
+    add_prompt = (not cont) if add_generation_prompt is None else add_generation_prompt
     try:
         encoded = tokenizer.apply_chat_template(
-            _messages(req),
+            _messages(messages),
             add_generation_prompt=add_prompt,
             continue_final_message=cont,
             tokenize=True,
@@ -83,10 +94,30 @@ def _render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
     return [int(t) for t in ids]
 
 
-async def encode_chat(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
+async def encode_messages(
+    ctx: ServerContext,
+    messages: list[ChatMessage],
+    *,
+    template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool | None = None,
+) -> list[int]:
+    """Messages through the tokenizer's chat template, exactly as /v1/chat/completions feeds them."""
     if getattr(ctx.tokenizer, "chat_template", None) is None:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    ids = await asyncio.to_thread(_render_chat, ctx.tokenizer, req)
+    ids = await asyncio.to_thread(
+        _render_chat, ctx.tokenizer, messages, template_kwargs, add_generation_prompt, continue_final_message
+    )
     if not ids:
         raise bad_request("the chat template produced an empty prompt", "messages")
     return ids
+
+
+async def encode_chat(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
+    return await encode_messages(
+        ctx,
+        req.messages,
+        template_kwargs=req.chat_template_kwargs,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+    )

@@ -1,14 +1,29 @@
-"""Request models with OpenAI (and SGLang `/generate`) field names.
+"""Request models with OpenAI (and SGLang `/generate`, vLLM `/tokenize`) field names.
 
-Every field is either honoured or rejected with a 400 that names it: unknown fields are forbidden,
-and fields we cannot honour accept only the value that means "feature off" (sglang-router 0.3.2
-re-serialises requests and always sends some of those, e.g. `logprobs: false`,
-`skip_special_tokens: true`). Types are strict: `"16"` is not an integer, `1` is not a boolean.
+Every field a model declares is either honoured or rejected with a 400 that names it: fields we
+cannot honour accept only the value that means "feature off" (sglang-router 0.3.2 re-serialises
+requests and always sends some of those, e.g. `logprobs: false`, `skip_special_tokens: true`).
+Every field OpenAI defines for an endpoint is declared (`OPENAI_*_FIELDS` below), so none of them is
+ever silently ignored. A top-level field the model does not declare is some other server's extension
+(`nvext`, `return_routed_experts`): it is dropped and reported (`_Request.ignored_fields`; the routes
+log it once and answer with an `x-dsv4-ignored-fields` header), as vLLM does. Nested objects
+(`messages[i]`, `stream_options`, `sampling_params`) stay strict. Types are strict: `"16"` is not an
+integer, `1` is not a boolean.
 """
 
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from dsv4_engine.server.errors import UNSUPPORTED_MARK
 
@@ -17,8 +32,57 @@ MAX_STOP_LEN = 256
 _I64 = 2**63
 
 
+# Every body field OpenAI's API reference defines (as openai-python 3.57's `CompletionCreateParams`
+# types list them, plus `stream`). Each is declared on the model below: honoured, or refused unless
+# "off". If one is ever left undeclared it is still refused (400 `unsupported_parameter`), not ignored.
+OPENAI_COMPLETION_FIELDS: frozenset[str] = frozenset(
+    {
+        "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
+        "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix",
+        "temperature", "top_p", "user",
+    }
+)  # fmt: skip
+OPENAI_CHAT_FIELDS: frozenset[str] = frozenset(
+    {
+        "messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias",
+        "logprobs", "max_completion_tokens", "max_tokens", "metadata", "modalities", "moderation", "n",
+        "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key",
+        "prompt_cache_options", "prompt_cache_retention", "reasoning_effort", "response_format",
+        "safety_identifier", "seed", "service_tier", "stop", "store", "stream", "stream_options",
+        "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
+        "web_search_options",
+    }
+)  # fmt: skip
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _Request(_Strict):
+    """A whole request body: undeclared top-level fields are dropped and listed in `ignored_fields`,
+    except the ones OpenAI defines (`openai_fields`), which stay and fail as unsupported."""
+
+    openai_fields: ClassVar[frozenset[str]] = frozenset()
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _drop_unknown(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        ignored: list[str] = []
+        if isinstance(data, dict):
+            known = cls.model_fields.keys() | cls.openai_fields
+            ignored = [k for k in data if k not in known]
+            if ignored:
+                data = {k: v for k, v in data.items() if k in known}
+        model = handler(data)
+        model._ignored = ignored
+        return model
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Top-level fields of the request that this server does not know and did not use."""
+        return list(self._ignored)
 
 
 def _same(value: Any, ok: Any) -> bool:
@@ -74,7 +138,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk
 
 
-class _Sampling(_Strict):
+class _Sampling(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -142,6 +206,8 @@ TokenIds = list[int]
 
 
 class CompletionRequest(_Sampling):
+    openai_fields = OPENAI_COMPLETION_FIELDS
+
     prompt: str | list[str] | TokenIds | list[TokenIds]
     echo: bool | None = None
     logprobs: off(None) = None
@@ -179,10 +245,21 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    tool_calls: off(None, []) = None  # before `content`, whose check reads it
+    content: str | list[TextPart] | None  # required, as in OpenAI's API; null only as below
     name: str | None = None
     reasoning_content: str | None = None
-    tool_calls: off(None, []) = None
+
+    @field_validator("content")
+    @classmethod
+    def _null_only_with_tool_calls(cls, v: Any, info: ValidationInfo) -> Any:
+        # OpenAI refuses a null content except in an assistant message that carries tool_calls.
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError(
+                "must be a string or a list of content parts; null is allowed only in an assistant "
+                "message with tool_calls"
+            )
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -190,7 +267,17 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
+def check_continue(messages: list[ChatMessage], cont: bool | None, add_prompt: bool | None) -> None:
+    """`continue_final_message` continues the last message, which must be the assistant's."""
+    if cont and messages[-1].role != "assistant":
+        raise ValueError("continue_final_message needs the last message to be from the assistant")
+    if cont and add_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+
+
 class ChatCompletionRequest(_Sampling):
+    openai_fields = OPENAI_CHAT_FIELDS
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -213,13 +300,13 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: off(None) = None
     verbosity: off(None) = None
     web_search_options: off(None) = None
+    moderation: off(None) = None
+    prompt_cache_options: off(None) = None
+    prompt_cache_retention: off(None) = None
 
     @model_validator(mode="after")
     def _continue_needs_assistant(self) -> Self:
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message needs the last message to be from the assistant")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        check_continue(self.messages, self.continue_final_message, self.add_generation_prompt)
         return self
 
     def token_limit(self) -> int | None:
@@ -258,7 +345,7 @@ class GenerateSamplingParams(_Strict):
     _ids = field_validator("stop_token_ids")(classmethod(lambda cls, v: _check_token_ids(v)))
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(_Request):
     """SGLang's native `/generate` request (what sglang-router forwards to `/generate`)."""
 
     text: str | list[str] | None = None
@@ -316,3 +403,26 @@ class GenerateRequest(_Strict):
 
     def is_batch(self) -> bool:
         return isinstance(self.text, list) or bool(self.input_ids and isinstance(self.input_ids[0], list))
+
+
+class TokenizeRequest(_Request):
+    """vLLM's `POST /tokenize`: `prompt` (text, as /v1/completions encodes it) or `messages` (through
+    the chat template, as /v1/chat/completions does); exactly one of them (checked by the route)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for messages
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = None
+    chat_template: off(None) = None
+    tools: off(None, []) = None
+
+
+class DetokenizeRequest(_Request):
+    """vLLM's `POST /detokenize`."""
+
+    model: str | None = None
+    tokens: TokenIds

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.background import BackgroundTask
 
+from dsv4_engine import package_version
 from dsv4_engine.server import pd
 from dsv4_engine.server.errors import ApiError, bad_request, unavailable
 from dsv4_engine.server.generation import (
@@ -32,7 +32,7 @@ from dsv4_engine.server.generation import (
     start,
     start_all,
 )
-from dsv4_engine.server.openai_routes import check_pd_fields, finished
+from dsv4_engine.server.openai_routes import check_pd_fields, finished, report_ignored
 from dsv4_engine.server.prompts import encode_prompt
 from dsv4_engine.server.protocol import GenerateRequest, stop_list
 from dsv4_engine.server.state import Phase, ServerContext
@@ -42,13 +42,6 @@ router = APIRouter()
 
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 HEALTH_GENERATE_TIMEOUT = 20.0
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("dsv4")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 def _ctx(request: Request) -> ServerContext:
@@ -64,7 +57,7 @@ def server_info(ctx: ServerContext) -> dict[str, Any]:
         "model_path": s.model,
         "served_model_name": ctx.model_name,
         "tokenizer_path": s.model,
-        "version": _version(),
+        "version": package_version(),
         "dtype": s.dtype,
         "device": s.device,
         "tp_size": s.tp_size,
@@ -215,6 +208,7 @@ def _result(
 @router.post("/generate", response_model=None)
 async def generate(req: GenerateRequest, request: Request) -> Response:
     arrival = time.monotonic()
+    report_ignored(request, req)
     ctx = _ctx(request)
     pd.check_admission(ctx, req)
     ctx.require_model(req.model)
