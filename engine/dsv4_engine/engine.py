@@ -104,6 +104,8 @@ class LLMEngine:
         num_pages: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = True,
+        tp_size: int = 1,
+        ep_size: int = 1,
         tokenizer: object | None = None,
         **kwargs: object,
     ) -> None:
@@ -123,6 +125,8 @@ class LLMEngine:
             num_pages=num_pages,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             enforce_eager=enforce_eager,
+            tp_size=tp_size,
+            ep_size=ep_size,
         )
         if cfg.device.type == "cpu":
             keep_freed_host_memory()  # page faults on reused temporaries cost up to ~10% of a step

@@ -50,6 +50,8 @@ class EngineConfig:
     num_pages: int | None  # full pages; None: sized from memory
     kv_cache_memory_bytes: int | None
     enforce_eager: bool
+    tp_size: int = 1
+    ep_size: int = 1
 
     @classmethod
     def build(
@@ -67,11 +69,26 @@ class EngineConfig:
         num_pages: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = True,
+        tp_size: int = 1,
+        ep_size: int = 1,
     ) -> EngineConfig:
         """What was asked, resolved; max_position_embeddings is the checkpoint's (it caps the context)."""
-        for name, value in (("max_num_seqs", max_num_seqs), ("page_size", page_size)):
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("page_size", page_size),
+            ("tp_size", tp_size),
+            ("ep_size", ep_size),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        # One rank today: accepting a parallel size and ignoring it would load the whole model onto
+        # one device (the operator renders tp 8 for the real model), so it fails at start instead.
+        for name, value, what in (("tp_size", tp_size, "tensor"), ("ep_size", ep_size, "expert")):
+            if value > 1:
+                raise ValueError(
+                    f"{name} {value}: {what} parallelism is not implemented yet; this engine runs the "
+                    f"whole model on one device, so {name} must be 1"
+                )
         if num_pages is not None and num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         chunk: int | None
@@ -101,6 +118,8 @@ class EngineConfig:
             num_pages=num_pages,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             enforce_eager=enforce_eager,
+            tp_size=tp_size,
+            ep_size=ep_size,
         )
 
     @property

@@ -157,6 +157,9 @@ def _bad_config(tmp_path: Path) -> list[str]:
          "--kv-cache-memory-bytes"),
         (lambda tmp, ckpt: ["--model", ckpt, "--dtype", "int3"], "--dtype"),
         (lambda tmp, ckpt: ["--model", ckpt, "--device", "tpu"], "--device"),
+        # One rank until parallelism lands: a size the engine would ignore is refused (issue 17).
+        (lambda tmp, ckpt: ["--model", ckpt, "--tp-size", "8"], "--tp-size"),
+        (lambda tmp, ckpt: ["--model", ckpt, "--ep-size", "2"], "--ep-size"),
     ],
 )  # fmt: skip
 def test_serve_refuses_bad_settings_before_binding(

@@ -32,6 +32,8 @@ _SETTING_FLAGS = {
     "kv_cache_memory_bytes": "--kv-cache-memory-bytes",
     "dtype": "--dtype",
     "device": "--device",
+    "tp_size": "--tp-size",
+    "ep_size": "--ep-size",
 }
 
 
@@ -299,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="tp_size",
         type=_positive(int),
         default=1,
-        help="tensor-parallel size (accepted and reported; the engine runs one rank)",
+        help="tensor-parallel size; the engine runs one rank until tensor parallelism lands, so "
+        "a size above 1 is refused at start",
     )
     p.add_argument(
         "--ep-size",
@@ -308,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="ep_size",
         type=_positive(int),
         default=1,
-        help="expert-parallel size (accepted and reported; the engine runs one rank)",
+        help="expert-parallel size; the engine runs one rank until expert parallelism lands, so "
+        "a size above 1 is refused at start",
     )
     p.add_argument(
         "--log-level",
