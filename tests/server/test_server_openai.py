@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -194,3 +195,13 @@ def test_metrics_count_what_was_served(base: str) -> None:
     assert values["dsv4_prompt_tokens_total"] > 0
     assert values["dsv4_num_requests_running"] == 0
     assert values["dsv4_server_ready"] == 1
+    # vLLM's names for the same data, labelled with the served model and the role (docs/observability.md)
+    served = re.findall(
+        r'^vllm:request_success_total\{finished_reason="length",model_name="([^"]+)",role="colocated"\} (\S+)$',
+        text,
+        flags=re.MULTILINE,
+    )
+    assert served and float(served[0][1]) >= 5
+    assert re.search(
+        r'^vllm:kv_cache_usage_perc\{model_name="[^"]+",role="colocated"\} 0\.0$', text, re.MULTILINE
+    )

@@ -2,6 +2,11 @@
 
 The engine's own numbers come from `engine.metrics()` (a dict of counters and gauges, copied by the
 engine thread after every step), so a scrape never touches the engine and never waits for a step.
+
+Beside the `dsv4_*` series, `_VllmCollector` exports the same data under the `vllm:*` names that
+vLLM's Grafana dashboards, the Gateway API Inference Extension's endpoint picker and KEDA recipes
+read, each with `model_name` and `role` labels: one source, two names, so the two can never disagree.
+docs/observability.md lists every series.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -75,8 +81,83 @@ class _EngineCollector(Collector):
                 )
 
 
+def kv_cache_usage(snapshot: Mapping[str, float]) -> float:
+    """The one KV usage figure: the fullest page family's share in use. A request needs pages of every
+    family (SWA, full, compressor state), so the fullest one is what refuses the next request."""
+    usage = [float(v) for k, v in snapshot.items() if k.startswith("pool_usage/")]
+    return max(usage, default=0.0)
+
+
+_VLLM_LABELS = {"finish_reason": "finished_reason"}  # vLLM's spelling of the same label
+
+
+class _VllmCollector(Collector):
+    """The `vllm:*` names (vLLM 0.11's) over this server's own histograms, counters and engine
+    snapshot, labelled with the served model and the PD role.
+
+    Under PD a prompt is counted on both servers (the decode admits it with its transferred state)
+    and so is the first token: sum prompt tokens over role != "decode" and generated tokens over
+    role != "prefill" for a deployment's totals."""
+
+    def __init__(self, metrics: ServerMetrics, snapshot: Callable[[], Mapping[str, float]]) -> None:
+        self._m = metrics
+        self._snapshot = snapshot
+
+    def _labels(self) -> dict[str, str]:
+        return {"model_name": self._m.model_name, "role": self._m.role}
+
+    def _renamed(self, source: Histogram | Counter, name: str, kind: str, doc: str) -> Iterator[Metric]:
+        for family in source.collect():
+            out = Metric(name, doc, kind)
+            for sample in family.samples:
+                suffix = sample.name[len(family.name) :]  # _bucket / _sum / _count / _total
+                labels = {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}
+                out.add_sample(name + suffix, {**labels, **self._labels()}, sample.value)
+            yield out
+
+    def collect(self) -> Iterator[Metric]:
+        m, labels = self._m, self._labels()
+        yield from self._renamed(m.ttft, "vllm:time_to_first_token_seconds", "histogram",
+                                 "Time from request arrival to its first generated token.")  # fmt: skip
+        for name in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"):
+            yield from self._renamed(
+                m.itl, name, "histogram", "Time between consecutive tokens of a request."
+            )
+        yield from self._renamed(m.e2e, "vllm:e2e_request_latency_seconds", "histogram",
+                                 "Time from request arrival to its last token.")  # fmt: skip
+        yield from self._renamed(m.finished, "vllm:request_success", "counter",
+                                 "Requests finished, by finished_reason.")  # fmt: skip
+        snap = dict(self._snapshot())
+        keys, values = list(labels), list(labels.values())
+        for key, name, doc, counter in (
+            ("num_running", "vllm:num_requests_running", "Requests in the running batch.", False),
+            ("num_waiting", "vllm:num_requests_waiting", "Requests waiting to be scheduled.", False),
+            ("prompt_tokens_total", "vllm:prompt_tokens", "Prompt tokens admitted since start.", True),
+            ("generation_tokens_total", "vllm:generation_tokens", "Tokens generated since start.", True),
+            ("num_preemptions", "vllm:num_preemptions", "Requests preempted since start.", True),
+        ):
+            family = CounterMetricFamily if counter else GaugeMetricFamily
+            metric = family(name, doc, labels=keys)
+            metric.add_metric(values, float(snap.get(key, 0.0)))
+            yield metric
+        usage = kv_cache_usage(snap)
+        for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):  # the older name too
+            metric = GaugeMetricFamily(name, "KV pools in use, 0 to 1: the fullest page family.", labels=keys)
+            metric.add_metric(values, usage)
+            yield metric
+
+
 class ServerMetrics:
-    def __init__(self, engine_snapshot: Callable[[], Mapping[str, float]]) -> None:
+    def __init__(
+        self,
+        engine_snapshot: Callable[[], Mapping[str, float]],
+        *,
+        model_name: str = "",
+        role: str = "colocated",
+    ) -> None:
+        """model_name, role: the `vllm:*` series' labels (the served model; prefill, decode or
+        colocated)."""
+        self.model_name, self.role = model_name, role
         disable_created_metrics()  # `_created` series double the output and nobody graphs them
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
@@ -152,6 +233,7 @@ class ServerMetrics:
             f"{PREFIX}_requests_in_flight", "Requests admitted and not yet finished.", registry=r
         )
         r.register(_EngineCollector(engine_snapshot))
+        r.register(_VllmCollector(self, engine_snapshot))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

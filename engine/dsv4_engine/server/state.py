@@ -68,7 +68,12 @@ class ServerContext:
         self.tokenizer: Any = None
         self.facts: ModelFacts | None = None
         self.bridge: EngineBridge | None = None
-        self.metrics = ServerMetrics(self._engine_snapshot)
+        mode = settings.disaggregation_mode
+        self.metrics = ServerMetrics(
+            self._engine_snapshot,
+            model_name=settings.model_name,
+            role="colocated" if mode == "null" else mode,
+        )
         self.started = time.time()
         self.inflight = 0
         self._idle = asyncio.Event()
