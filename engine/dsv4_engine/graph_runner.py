@@ -7,7 +7,8 @@ metadata in place from the request tables, then runs the forward over the paged 
 these tensors keeps its `data_ptr()` for the runner's life, and the step reads nothing else but the
 weights, the tables and the pools:
 
-- `eager`: `decode_logits` in plain torch (the same code every other mode runs);
+- `eager`: `Dsv4ForCausalLM.forward` over the bucket's `DecodeBatch`, run as it is (the same code
+  every other mode compiles or captures, and the model's one forward for every step);
 - `compiled`: `torch.compile(fullgraph=True, dynamic=False)` once per bucket; artefacts go to
   `TORCHINDUCTOR_CACHE_DIR` (default `$XDG_CACHE_HOME/dsv4/inductor`, i.e. `~/.cache/dsv4/inductor`),
   never into the repository; `num_compiles` counts compile events (zero after warm-up);
@@ -27,12 +28,11 @@ import torch
 from dsv4_engine import kernels as cpu_kernels
 from dsv4_engine.attention.decode_buffers import DEFAULT_BUCKETS, DecodeBuffers
 from dsv4_engine.attention.decode_fill import fill_decode_buffers, fill_decode_buffers_kernel, step_inputs
-from dsv4_engine.attention.paged_decode import PoolViews
+from dsv4_engine.attention.paged_decode import DecodeBatch, PoolViews
 from dsv4_engine.memory.allocator import ExtendSpec
 from dsv4_engine.memory.pools import Dsv4TokenToKVPool
 from dsv4_engine.memory.req_to_token import Dsv4ReqPool
 from dsv4_engine.model.decode_ops import CompiledOps, KernelOps, TorchOps
-from dsv4_engine.model.decode_step import decode_logits
 from dsv4_engine.model.model import Dsv4ForCausalLM
 from dsv4_engine.model.packed import decode_packs
 
@@ -214,7 +214,8 @@ class DecodeGraphRunner:
         def step() -> torch.Tensor:
             fill(meta, req_pool, page_size, req, pos, valid)
             pages = min(self.num_pages.get(bs, full), full) if trim else None
-            return decode_logits(model, ids, meta, pools, ops=ops, num_pages=pages, packs=packs)
+            batch = DecodeBatch(ids, meta, pools, ops, num_pages=pages, packs=packs)
+            return model.compute_logits(model(batch), ops)
 
         return step
 

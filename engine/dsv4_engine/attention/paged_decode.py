@@ -51,6 +51,23 @@ class DecodeOps(Protocol):
 
     def linear(self, m: nn.Linear, x: torch.Tensor) -> torch.Tensor: ...
 
+    def moe(
+        self, moe: nn.Module, x: torch.Tensor, input_ids: torch.Tensor, shared_pack: Packed | None
+    ) -> torch.Tensor: ...
+
+    def hc_pre(
+        self, hc: nn.Module, streams: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def hc_post(
+        self,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        out: torch.Tensor,
+        streams: torch.Tensor,
+        into: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
     def project(self, pack: Packed, x: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
     def grouped_linear(self, m: GroupedLinear, x: torch.Tensor) -> torch.Tensor: ...
@@ -106,6 +123,49 @@ class DecodeOps(Protocol):
         visible: torch.Tensor | None,
         page_size: int,
     ) -> torch.Tensor: ...
+
+
+class DecodeBatch:
+    """The batched decode step's batch for `Dsv4Model.forward` (model/batch.py): one token per row,
+    everything read from the static metadata `meta` and the pools, with the step's kernel set `ops`
+    (`model.decode_ops`). Nothing here reads a value back to the host, so the forward over it can be
+    compiled or captured.
+
+    num_pages (eager only): the step's longest context in pages (`paged_decode_attention`).
+    packs: per layer, the packed attention-input and shared-expert projections (`model.packed`)."""
+
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        pools: PoolViews,
+        ops: DecodeOps,
+        num_pages: int | None = None,
+        packs: list[tuple[Packed, Packed]] | None = None,
+    ) -> None:
+        self.input_ids, self.meta, self.pools, self.ops = input_ids, meta, pools, ops
+        self.num_pages, self.packs = num_pages, packs
+        self.memo: dict = {}  # RoPE lookups of the step, filled by the model
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.meta.positions
+
+    def check_positions(self, max_positions: int) -> None:
+        """Nothing to read back: the graph runner checks positions when it fills the inputs."""
+
+    def attend(self, attn: Dsv4Attention, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.memo[id(attn.rope)]
+        pack = self.packs[attn.layer][0] if self.packs is not None else None
+        return paged_decode_attention(
+            attn, x, self.meta, self.pools, cos, sin, self.ops, self.num_pages, pack
+        )
+
+    def shared_pack(self, layer: int) -> Packed | None:
+        return self.packs[layer][1] if self.packs is not None else None
+
+    def advance(self) -> None:
+        """The tables, not caches, say what is stored: nothing to advance."""
 
 
 def _flat(buf: torch.Tensor) -> torch.Tensor:
@@ -224,7 +284,8 @@ def paged_decode_attention(
     num_pages: int | None = None,
     packed: Packed | None = None,
 ) -> torch.Tensor:
-    """`Dsv4Attention.forward` for one decode token per row `x [B, hidden]`, from the pools.
+    """`Dsv4Attention.extend_attention` for one decode token per row `x [B, hidden]`, from the pools:
+    `[B, H, D]`, RoPE undone (the module applies the output projections).
 
     packed: `attention_inputs(attn)` packed into one GEMM (`model.packed`); else one per projection.
 
@@ -263,8 +324,7 @@ def paged_decode_attention(
     out = ops.paged_attend(
         attn, q, pools.swa[layer], meta.swa_slots, comp_pool, page_table, rows, visible, pools.page_size
     )
-    out = ops.rotate(out, cos, sin, inverse=True)  # undo RoPE carried by V
-    return ops.linear(attn.o_b_proj, ops.grouped_linear(attn.o_a_proj, out.reshape(bsz, attn.o_groups, -1)))
+    return ops.rotate(out, cos, sin, inverse=True)  # undo RoPE carried by V
 
 
 def index_topk(

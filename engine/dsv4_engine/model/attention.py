@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dsv4_engine.config import Dsv4Config
-from dsv4_engine.model.batch import ForwardBatch, SeqSlice
+from dsv4_engine.model.batch import ForwardBatch, SeqSlice, StepBatch
 from dsv4_engine.model.compressor import Compressor, Indexer
 from dsv4_engine.model.ops import RMSNorm, unweighted_rms_norm_
 from dsv4_engine.rope import RopeTable, rotate_
@@ -77,7 +77,17 @@ class Dsv4Attention(nn.Module):
         elif self.ratio:
             self.compressor = Compressor(config, self.ratio, self.head_dim, rope_compress, name="compressor")
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """The block's output `[T, hidden]`: the batch's attention (over the caches, or the paged
+        decode step), then the grouped output projection, through the batch's ops."""
+        out = batch.attend(self, x)  # [T, H, D], RoPE undone
+        ops = batch.ops
+        return ops.linear(
+            self.o_b_proj, ops.grouped_linear(self.o_a_proj, out.reshape(len(x), self.o_groups, -1))
+        )
+
+    def extend_attention(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attention `[T, H, D]` of an extend batch (RoPE undone): per request, over its SeqCache."""
         cos, sin = batch.memo[id(self.rope)]
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(len(x), self.num_heads, self.head_dim)
@@ -109,9 +119,7 @@ class Dsv4Attention(nn.Module):
                 bias = torch.cat([bias, _blocks(comp_bias.to(bias.dtype), bias.shape[1])], dim=2)
             out[rows] = self._attend(_blocks(q[rows], bias.shape[1]), keys, bias)[: seq.length]
 
-        out = rotate_(out, cos[:, None], -sin[:, None])  # undo RoPE carried by V
-        grouped = self.o_a_proj(out.reshape(len(x), self.o_groups, -1))
-        return self.o_b_proj(grouped)
+        return rotate_(out, cos[:, None], -sin[:, None])  # undo RoPE carried by V
 
     def _window_keys(self, seq: SeqSlice, kv: torch.Tensor) -> torch.Tensor:
         """Window keys per query block, `[nb, b + w - 1, D]` (w: sliding window), as overlapping

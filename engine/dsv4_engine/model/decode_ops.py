@@ -1,4 +1,6 @@
-"""The ops of the decode step, in three implementations picked once per runner.
+"""The ops of the decode step (`attention.paged_decode.DecodeBatch.ops`), in three implementations
+picked once per runner. The model's one forward calls them through the batch; an extend batch's are
+the modules' own forwards (`model.batch.ExtendOps`).
 
 `TorchOps` is plain torch: the reference formulations, which a compiler fuses and a device graph
 captures (`for_compiler` picks the forms inductor fuses best over those with fewest eager ops).
@@ -11,6 +13,7 @@ stream memory faster than anything it generates (projections, routed experts, co
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsv4_engine.attention import paged_decode
@@ -18,7 +21,7 @@ from dsv4_engine.attention.metadata import CompressMetadata
 from dsv4_engine.model.attention import Dsv4Attention, GroupedLinear
 from dsv4_engine.model.compressor import Compressor, Indexer
 from dsv4_engine.model.hyper import HyperConnection, expand
-from dsv4_engine.model.moe import MoE, Router
+from dsv4_engine.model.moe import MoE, Router, swiglu
 from dsv4_engine.model.ops import RMSNorm, unweighted_rms_norm
 from dsv4_engine.model.packed import Packed
 from dsv4_engine.rope import rotate
@@ -30,8 +33,7 @@ def _per_row(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class TorchOps:
-    # Routed experts by `dsv4::moe_experts` (grouped by expert) instead of the torch forms in
-    # `decode_step.moe_decode`.
+    # Routed experts by `dsv4::moe_experts` (grouped by expert) instead of the torch forms in `moe`.
     moe_kernel = False
 
     def __init__(self, for_compiler: bool = False) -> None:
@@ -81,8 +83,14 @@ class TorchOps:
         return post, comb, hc.collapse(pre, streams)
 
     def hc_post(
-        self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
+        self,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        out: torch.Tensor,
+        streams: torch.Tensor,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`expand` into a fresh tensor (`into` is for the extend step's large buffers)."""
         return expand(post, comb, out, streams)
 
     def masked_put(
@@ -100,6 +108,48 @@ class TorchOps:
     def shared_expert(self, moe: MoE, x: torch.Tensor, pack: Packed | None) -> torch.Tensor:
         """`pack`: the shared expert's gate and up projections as one GEMM (`model.packed`)."""
         return moe.shared_experts(x) if pack is None else moe.shared_experts.combine(*pack(x))
+
+    def moe(
+        self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, shared_pack: Packed | None = None
+    ) -> torch.Tensor:
+        """MoE with a static output shape. With `moe_kernel`, `dsv4::moe_experts` groups the rows by
+        expert (two GEMMs per expert in use, any batch size; a skinny GEMM that reads each picked
+        expert's weights once, also faster than what a compiler makes of the gathered forms).
+        Without it: gathered expert weights while B*k < E (per slot under a compiler, its best form
+        there), else every expert densely. `shared_pack`: the shared expert's gate and up
+        projections as one GEMM."""
+        weights, ids = self.route(moe.gate, x, input_ids)  # [B, k]
+        experts = moe.experts
+        bsz, k = ids.shape
+        num_experts, limit = experts.num_experts, experts.limit
+        small = bsz * k < num_experts
+        if self.moe_kernel:
+            routed = torch.ops.dsv4.moe_experts(
+                x, experts.gate_up_proj, experts.down_proj, ids, weights, limit
+            )
+            return routed + self.shared_expert(moe, x, shared_pack)
+        if small and self.for_compiler:  # one gathered batched GEMV per slot: the compiler's best form
+            routed = x.new_zeros(())
+            for slot in range(k):
+                picked = ids[:, slot]
+                h = torch.bmm(experts.gate_up_proj[picked], x[:, :, None]).squeeze(-1)  # [B, 2I]
+                gate, up = h.chunk(2, dim=-1)
+                y = torch.bmm(experts.down_proj[picked], swiglu(gate, up, limit)[:, :, None]).squeeze(-1)
+                routed = routed + y * weights[:, slot, None].to(y.dtype)
+        elif small:  # read only the picked experts' weights
+            h = torch.matmul(experts.gate_up_proj[ids], x[:, None, :, None]).squeeze(-1)  # [B, k, 2I]
+            gate, up = h.chunk(2, dim=-1)
+            y = torch.matmul(experts.down_proj[ids], swiglu(gate, up, limit)[..., None]).squeeze(-1)
+            routed = (y * weights[..., None].to(y.dtype)).sum(dim=1)
+        else:  # large batch: one GEMM for every expert's gate/up, one batched GEMM down
+            h = F.linear(x, experts.gate_up_proj.flatten(0, 1)).view(bsz, num_experts, -1)  # [B, E, 2I]
+            gate, up = h.chunk(2, dim=-1)
+            act = swiglu(gate, up, limit).transpose(0, 1)  # [E, B, I]
+            y = torch.bmm(act, experts.down_proj.transpose(1, 2))  # [E, B, D]
+            dense = torch.zeros(bsz, num_experts, dtype=y.dtype, device=y.device)
+            dense = dense.scatter_add(1, ids, weights.to(y.dtype))
+            routed = torch.einsum("be,ebd->bd", dense, y)
+        return routed.to(x.dtype) + self.shared_expert(moe, x, shared_pack)
 
     def attend(
         self, attn: Dsv4Attention, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor
@@ -191,7 +241,12 @@ class KernelOps(CompiledOps):
         return hc(streams)  # on CPU, HyperConnection.forward is dsv4::hc_pre
 
     def hc_post(
-        self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor
+        self,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        out: torch.Tensor,
+        streams: torch.Tensor,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return torch.ops.dsv4.hc_post(post, comb, out, streams)
 

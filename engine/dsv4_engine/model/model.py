@@ -3,14 +3,16 @@ MoE) -> head collapse -> norm -> lm_head. Module paths equal HF's state-dict nam
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.model.attention import Dsv4Attention
-from dsv4_engine.model.batch import ForwardBatch
+from dsv4_engine.model.batch import EXTEND_OPS, StepBatch
 from dsv4_engine.model.cache import DenseSeqCache
-from dsv4_engine.model.hyper import HyperConnection, HyperHead, expand
+from dsv4_engine.model.hyper import HyperConnection, HyperHead
 from dsv4_engine.model.moe import MoE
 from dsv4_engine.model.ops import RMSNorm
 from dsv4_engine.rope import RopeRegistry
@@ -45,16 +47,18 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(config)
         self.ffn_hc = HyperConnection(config)
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch, spare: torch.Tensor) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, batch: StepBatch, spare: torch.Tensor) -> torch.Tensor:
         """New streams; `spare` (streams' shape) takes the streams between attention and MoE and
-        `streams` the result, overwritten once dead. Fresh buffers this size can cost more in page
-        faults than the arithmetic that fills them (small preset, 2048 tokens: 9 ms against 1.5 ms)."""
-        post, comb, collapsed = self.attn_hc(streams)
-        out = self.self_attn(self.input_layernorm(collapsed), batch)
-        mid = expand(post, comb, out, streams, into=spare)
-        post, comb, collapsed = self.ffn_hc(mid)
-        out = self.mlp(self.post_attention_layernorm(collapsed), batch.input_ids)
-        return expand(post, comb, out, mid, into=streams)
+        `streams` the result, overwritten once dead (where the batch's ops write in place). Fresh
+        buffers this size can cost more in page faults than the arithmetic that fills them (small
+        preset, 2048 tokens: 9 ms against 1.5 ms)."""
+        ops = batch.ops
+        post, comb, collapsed = ops.hc_pre(self.attn_hc, streams)
+        out = self.self_attn(ops.norm(self.input_layernorm, collapsed), batch)
+        mid = ops.hc_post(post, comb, out, streams, into=spare)
+        post, comb, collapsed = ops.hc_pre(self.ffn_hc, mid)
+        out = self.mlp(ops.norm(self.post_attention_layernorm, collapsed), batch)
+        return ops.hc_post(post, comb, out, mid, into=streams)
 
 
 class Dsv4Model(nn.Module):
@@ -70,12 +74,10 @@ class Dsv4Model(nn.Module):
         self.hc_head = HyperHead(config)
         self.rope.build()
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Final hidden states `[T, hidden]`; advances every request's cache."""
-        if len(batch.positions) and int(batch.positions.max()) >= self.rope.max_positions:
-            raise ValueError(
-                f"position {int(batch.positions.max())} exceeds max_positions {self.rope.max_positions}"
-            )
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Final hidden states `[T, hidden]` of any step: an extend `ForwardBatch` or the batched
+        decode step's `DecodeBatch` (model/batch.py); writes the step's state, advances the caches."""
+        batch.check_positions(self.rope.max_positions)
         for table in self.rope.tables.values():  # one lookup per table per forward, shared by layers
             batch.memo[id(table)] = table.lookup(batch.positions)
         x = self.embed_tokens(batch.input_ids)
@@ -83,9 +85,8 @@ class Dsv4Model(nn.Module):
         spare = torch.empty_like(streams)
         for layer in self.layers:
             streams = layer(streams, batch, spare)
-        for seq in batch.seqs:
-            seq.cache.num_tokens = seq.end
-        return self.norm(self.hc_head(streams))
+        batch.advance()
+        return batch.ops.norm(self.norm, self.hc_head(streams))
 
 
 class Dsv4ForCausalLM(nn.Module):
@@ -116,8 +117,9 @@ class Dsv4ForCausalLM(nn.Module):
     def new_cache(self) -> DenseSeqCache:
         return DenseSeqCache(self.config, self.dtype, self.device)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: StepBatch) -> torch.Tensor:
         return self.model(batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, ops: Any = EXTEND_OPS) -> torch.Tensor:
+        """fp32 logits; `ops`: the step's (the decode kernel set projects a few rows faster)."""
+        return ops.linear(self.lm_head, hidden).float()

@@ -10,12 +10,17 @@ sum to 1, times `routed_scaling_factor`. Every expert, the shared one included (
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsv4_engine import kernels
 from dsv4_engine.config import HASH_MOE, Dsv4Config
+
+if TYPE_CHECKING:
+    from dsv4_engine.model.batch import StepBatch
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -115,10 +120,12 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     def __init__(self, config: Dsv4Config, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.gate = Router(config, is_hash=config.mlp_layer_types[layer] == HASH_MOE)
         self.experts = Experts(config)
         self.shared_experts = SharedExpert(config)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x, input_ids)
-        return self.experts(x, weights, ids).add_(self.shared_experts(x))
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Routed plus shared experts `[T, D]`, in the batch's form: the modules' own (extend) or a
+        static-shape decode form (`decode_ops.TorchOps.moe`)."""
+        return batch.ops.moe(self, x, batch.input_ids, batch.shared_pack(self.layer))
