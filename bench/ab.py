@@ -85,6 +85,7 @@ def run(command: list[str], tree: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the commit to compare against (any git revision)")
+    p.add_argument("--new", help="the commit to measure (default: the working tree as it is)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--only", default="", help="report only cells whose 'row | column' matches this regex")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- BENCH.py [its arguments]")
@@ -93,16 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         p.error("give the benchmark after --")
     base = worktree(a.base)
+    new_tree = worktree(a.new) if a.new else ROOT
     runs: dict[str, list[dict[tuple[str, str], tuple[float, bool]]]] = {"base": [], "new": []}
     for r in range(a.rounds):
-        for side, tree in (("base", base), ("new", ROOT)):
+        for side, tree in (("base", base), ("new", new_tree)):
             runs[side].append(cells(run(command, tree)))
             print(f"round {r + 1}/{a.rounds} {side} done", file=sys.stderr, flush=True)
     every = runs["base"] + runs["new"]
     keys = [k for k in runs["new"][0] if all(k in v for v in every) and re.search(a.only, " | ".join(k))]
-    print(
-        f"\nA/B: {' '.join(command)}; base {a.base}, new = working tree; median of {a.rounds}, interleaved\n"
-    )
+    new_name = a.new or "the working tree"
+    print(f"\nA/B: {' '.join(command)}; base {a.base}, new {new_name}; median of {a.rounds}, interleaved\n")
     print("| row | column | base | new | speed, new vs base |")
     print("|---|---|---:|---:|---:|")
     for key in keys:

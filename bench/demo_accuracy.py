@@ -27,7 +27,7 @@ from dsv4_engine import demo
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.loader import load_checkpoint
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
-from dsv4_engine.testing import hf_stable_topk, load_hf
+from dsv4_engine.testing import dense_cache, hf_stable_topk, load_hf
 
 QUESTION = 'What is the "try" statement?'
 
@@ -39,7 +39,7 @@ def engine_nll(path: Path, windows: torch.Tensor) -> float:
 
     def logits_of(ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            hidden = model(ForwardBatch.build([(model.new_cache(), ids[0].tolist())]))
+            hidden = model(ForwardBatch.build([(dense_cache(model), ids[0].tolist())]))
             return model.compute_logits(hidden)[None]
 
     return demo.mean_nll(logits_of, windows)

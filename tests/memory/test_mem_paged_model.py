@@ -19,6 +19,7 @@ from dsv4_engine.memory import (
 )
 from dsv4_engine.memory.seq_cache import PagedSeqCache
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
+from dsv4_engine.testing import dense_cache
 
 MAX_CTX = 1024
 
@@ -80,7 +81,7 @@ def test_paged_equals_dense_bitwise(model) -> None:
     chunk = 128  # chunked: exercises state carried across chunk boundaries through the pools
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (150, 37)]
-    dense_tokens, dense_logits = run(model, [model.new_cache() for _ in prompts], prompts, chunk, 6, None)
+    dense_tokens, dense_logits = run(model, [dense_cache(model) for _ in prompts], prompts, chunk, 6, None)
     paged = Paged(model)
     free0 = paged.alloc.num_free()
     caches = [paged.new_cache() for _ in prompts]
@@ -113,7 +114,7 @@ def test_paged_chunked_matches_unchunked_tokens(model) -> None:
 def test_paged_equals_dense_bitwise_long(model, chunk: int | None) -> None:
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (517, 1, 258)]
-    dense_tokens, dense_logits = run(model, [model.new_cache() for _ in prompts], prompts, chunk, 4, None)
+    dense_tokens, dense_logits = run(model, [dense_cache(model) for _ in prompts], prompts, chunk, 4, None)
     paged = Paged(model)
     paged_tokens, paged_logits = run(model, [paged.new_cache() for _ in prompts], prompts, chunk, 4, paged)
     assert paged_tokens == dense_tokens

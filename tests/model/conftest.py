@@ -10,7 +10,7 @@ import torch
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.loader import load_checkpoint
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
-from dsv4_engine.testing import hf_stable_topk, load_hf, random_ids
+from dsv4_engine.testing import dense_cache, hf_stable_topk, load_hf, random_ids
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +27,7 @@ def _load_ours(path: Path, dtype: torch.dtype = torch.float32, max_positions: in
 def _our_logits(model: Dsv4ForCausalLM, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one prompt, from a fresh cache."""
     with torch.inference_mode():
-        return model.compute_logits(model(ForwardBatch.build([(model.new_cache(), ids)])))
+        return model.compute_logits(model(ForwardBatch.build([(dense_cache(model), ids)])))
 
 
 class Models:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dsv4_engine.model import ForwardBatch
+from dsv4_engine.testing import dense_cache
 
 TOL = 1e-4
 SPLITS = {
@@ -23,7 +24,7 @@ def test_chunked_forward_equals_full(models, name: str, split: str) -> None:
     model = models.ours(name)
     ids = models.random_ids(300, seed=3)
     full = models.logits(model, ids)
-    cache, outs, start = model.new_cache(), [], 0
+    cache, outs, start = dense_cache(model), [], 0
     with torch.inference_mode():
         for n in SPLITS[split]:
             outs.append(model.compute_logits(model(ForwardBatch.build([(cache, ids[start : start + n])]))))
@@ -37,7 +38,7 @@ def test_batched_decode_equals_single(models) -> None:
     model = models.ours("A")
     ids = models.random_ids(200, seed=5)
     full = models.logits(model, ids)
-    short, long = model.new_cache(), model.new_cache()
+    short, long = dense_cache(model), dense_cache(model)
     rows_short, rows_long = [], []
     with torch.inference_mode():
         model(ForwardBatch.build([(long, ids[:125]), (short, ids[:30])]))  # a batched prefill too
@@ -53,7 +54,7 @@ def test_batched_decode_equals_single(models) -> None:
 
 def test_cache_free_releases_state(models) -> None:
     model = models.ours("A")
-    cache = model.new_cache()
+    cache = dense_cache(model)
     with torch.inference_mode():
         model(ForwardBatch.build([(cache, models.random_ids(20, seed=1))]))
     assert cache.num_tokens == 20

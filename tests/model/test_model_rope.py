@@ -9,6 +9,7 @@ import torch
 from dsv4_engine.config import Dsv4Config, RopeParams
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
 from dsv4_engine.rope import RopeRegistry, RopeTable, inv_freq, rotate, rotate_
+from dsv4_engine.testing import dense_cache
 
 
 def test_frequencies_match_hf(models) -> None:
@@ -33,7 +34,7 @@ def test_one_instance_per_table_built_once(models) -> None:
     assert all(a.rope is registry.get(cfg.rope_compress if a.ratio else cfg.rope_main) for a in attn)
     assert {t.num_builds for t in registry.tables.values()} == {1}
     with torch.inference_mode():  # a prefill and a decode never build again
-        cache = model.new_cache()
+        cache = dense_cache(model)
         model(ForwardBatch.build([(cache, [5, 6, 7])]))
         model(ForwardBatch.build([(cache, [8])]))
     assert {t.num_builds for t in registry.tables.values()} == {1}
@@ -108,7 +109,7 @@ def test_in_place_rotation_equals_rotation(dtype: torch.dtype) -> None:
 
 def test_positions_past_the_table_are_refused(models) -> None:
     model = models.ours("A")
-    cache = model.new_cache()
+    cache = dense_cache(model)
     cache.num_tokens = model.model.rope.max_positions
     with pytest.raises(ValueError, match="max_positions"), torch.inference_mode():
         model(ForwardBatch.build([(cache, [5])]))

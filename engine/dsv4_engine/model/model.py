@@ -11,7 +11,6 @@ from torch import nn
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.model.attention import Dsv4Attention
 from dsv4_engine.model.batch import EXTEND_OPS, StepBatch
-from dsv4_engine.model.cache import DenseSeqCache
 from dsv4_engine.model.hyper import HyperConnection, HyperHead
 from dsv4_engine.model.moe import MoE
 from dsv4_engine.model.ops import RMSNorm
@@ -113,9 +112,6 @@ class Dsv4ForCausalLM(nn.Module):
             if tensor.is_floating_point() and any(part in FP32_NAMES for part in name.split(".")):
                 tensor.data = tensor.data.float()
         return self
-
-    def new_cache(self) -> DenseSeqCache:
-        return DenseSeqCache(self.config, self.dtype, self.device)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         return self.model(batch)
