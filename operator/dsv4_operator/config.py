@@ -16,6 +16,14 @@ def _flag(name: str, default: bool) -> bool:
     return _env(name, "1" if default else "0").lower() in ("1", "true", "yes", "on")
 
 
+# Default names of what the operator keeps in its namespace or the cluster. The Helm chart passes
+# per-release names instead (flags), so that two releases never share one of these.
+WEBHOOK_SECRET = "dsv4-operator-webhook-tls"
+WEBHOOK_CONFIG = "validate.dsv4.ai"  # the ValidatingWebhookConfiguration kopf manages
+WEBHOOK_SERVICE = "dsv4-operator-webhook"  # without --webhook-host/--webhook-service: SERVICE.NAMESPACE.svc
+LEASE_NAME = "dsv4-operator"
+
+
 @dataclasses.dataclass
 class Config:
     resync_seconds: float = 60.0  # periodic level-triggered reconcile of every resource
@@ -25,11 +33,11 @@ class Config:
     webhook_port: int = 9443
     webhook_host: str = ""  # the name the API server dials by URL; also a certificate SAN
     webhook_service: str = ""  # in-cluster: register this Service (in `namespace`) instead of a URL
-    webhook_secret: str = "dsv4-operator-webhook-tls"
-    webhook_config: str = "validate.dsv4.ai"  # the ValidatingWebhookConfiguration kopf manages
+    webhook_secret: str = WEBHOOK_SECRET
+    webhook_config: str = WEBHOOK_CONFIG
     namespace: str = "default"  # where the operator runs: its Secret and Lease live here
     leader_elect: bool = False
-    lease_name: str = "dsv4-operator"
+    lease_name: str = LEASE_NAME
     lease_seconds: float = 15.0
     identity: str = dataclasses.field(default_factory=socket.gethostname)
 
@@ -43,11 +51,11 @@ class Config:
             webhook_port=int(_env("WEBHOOK_PORT", "9443")),
             webhook_host=_env("WEBHOOK_HOST", ""),
             webhook_service=_env("WEBHOOK_SERVICE", ""),
-            webhook_secret=_env("WEBHOOK_SECRET", "dsv4-operator-webhook-tls"),
-            webhook_config=_env("WEBHOOK_CONFIG", "validate.dsv4.ai"),
+            webhook_secret=_env("WEBHOOK_SECRET", WEBHOOK_SECRET),
+            webhook_config=_env("WEBHOOK_CONFIG", WEBHOOK_CONFIG),
             namespace=_env("NAMESPACE", os.environ.get("POD_NAMESPACE", "default")),
             leader_elect=_flag("LEADER_ELECT", False),
-            lease_name=_env("LEASE_NAME", "dsv4-operator"),
+            lease_name=_env("LEASE_NAME", LEASE_NAME),
             lease_seconds=float(_env("LEASE_SECONDS", "15")),
             identity=_env("IDENTITY", os.environ.get("POD_NAME", socket.gethostname())),
         )

@@ -18,7 +18,7 @@ import aiohttp
 import kopf
 
 from . import fingerprint, manifests, metrics, spec, webhook
-from .config import Config
+from .config import WEBHOOK_SERVICE, Config
 from .kube import Api, ApiError
 from .lease import Lease
 from .reconcile import deleting, reconcile
@@ -74,7 +74,7 @@ async def _serve_webhook(settings: kopf.OperatorSettings, api: Api, cfg: Config)
     if cfg.webhook_service:  # the name an API server's certificate check expects for a Service
         hosts = [f"{cfg.webhook_service}.{cfg.namespace}.svc"]
     else:
-        hosts = [cfg.webhook_host or f"dsv4-operator-webhook.{cfg.namespace}.svc"]
+        hosts = [cfg.webhook_host or f"{WEBHOOK_SERVICE}.{cfg.namespace}.svc"]
     cert, key = await webhook.shared_certificate(api, cfg.namespace, cfg.webhook_secret, hosts)
     folder = pathlib.Path(tempfile.mkdtemp(prefix="dsv4-webhook-"))
     settings.admission.server = webhook.server(

@@ -67,6 +67,8 @@ def test_subresources_and_printer_columns() -> None:
     assert columns["Prefill"] == ".status.prefill.readyReplicas"
     assert columns["Decode"] == ".status.decode.readyReplicas"
     assert columns["Endpoint"] == ".status.endpoint"
+    assert columns["Reason"] == '.status.conditions[?(@.type=="Ready")].reason'  # why it is not Ready
+    assert list(columns).index("Reason") == list(columns).index("Ready") + 1
     assert columns["Age"] == ".metadata.creationTimestamp"
     status = openapi_schema()["properties"]["status"]["properties"]
     assert status["decode"]["properties"]["selector"]["type"] == "string"

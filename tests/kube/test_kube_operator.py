@@ -52,6 +52,13 @@ def condition(cluster: Any, ns: str, name: str, type_: str) -> dict:
     return next((c for c in conds if c["type"] == type_), {})
 
 
+def printed(cluster: Any, ns: str, name: str) -> dict[str, str]:
+    """The READY and REASON columns of `kubectl get dsv4 NAME` (the CRD's printer columns)."""
+    header, row = cluster.kubectl("get", "dsv4", name, "-n", ns).stdout.splitlines()
+    cells = dict(zip(header.split(), row.split(), strict=True))
+    return {k: cells[k] for k in ("READY", "REASON")}
+
+
 def patch(cluster: Any, what: str, ns: str, body: dict, *extra: str) -> None:
     cluster.kubectl("patch", what, "-n", ns, "--type=merge", "-p", json.dumps(body), *extra)
 
@@ -157,9 +164,16 @@ def test_lifecycle(cluster: Any, operator: Any) -> None:
         not in (None, old_uid), 30, "deleted StatefulSet restored",
     )  # fmt: skip
 
+    # `kubectl get dsv4` says why it is not Ready (the REASON column: the Ready condition's reason).
+    cluster.wait(
+        lambda: condition(cluster, ns, name, "Ready").get("reason") == "RolesNotReady", 30, "RolesNotReady"
+    )
+    assert printed(cluster, ns, name) == {"READY": "False", "REASON": "RolesNotReady"}
+
     # Status: Ready once the pods are; the endpoint and observedGeneration are reported.
     make_ready(cluster, ns, name, fp)
     cluster.wait(lambda: condition(cluster, ns, name, "Ready").get("status") == "True", 30, "Ready")
+    assert printed(cluster, ns, name) == {"READY": "True", "REASON": "AllRolesReady"}
     status = resource(cluster, ns, name)["status"]
     assert status["observedGeneration"] == resource(cluster, ns, name)["metadata"]["generation"]
     assert status["endpoint"].startswith(f"http://{name}.{ns}.svc:")

@@ -1,21 +1,92 @@
-{{- define "dsv4-operator.name" -}}dsv4-operator{{- end -}}
+{{/*
+Names, in the `helm create` scaffold's way. Objects in the release namespace are named from
+`dsv4-operator.fullname`; objects every release shares a scope with (cluster-scoped ones, and the
+Roles in watched namespaces) from `dsv4-operator.clusterName`, which adds the release namespace, so
+two releases never collide even when they have the same name.
+*/}}
+{{- define "dsv4-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "dsv4-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* fullname-releaseNamespace: unique per release across the cluster (RBAC names are not length-limited). */}}
+{{- define "dsv4-operator.clusterName" -}}
+{{- printf "%s-%s" (include "dsv4-operator.fullname" .) .Release.Namespace }}
+{{- end }}
+
+{{- define "dsv4-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
 
 {{- define "dsv4-operator.labels" -}}
-app.kubernetes.io/name: dsv4-operator
-app.kubernetes.io/instance: {{ .Release.Name }}
+helm.sh/chart: {{ include "dsv4-operator.chart" . }}
+{{ include "dsv4-operator.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
-{{- end -}}
+{{- end }}
 
-{{- define "dsv4-operator.selector" -}}
-app.kubernetes.io/name: dsv4-operator
+{{- define "dsv4-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "dsv4-operator.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
-{{- end -}}
+{{- end }}
+
+{{- define "dsv4-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "dsv4-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
 
 {{- define "dsv4-operator.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
-{{- end -}}
+{{- end }}
+
+{{/* The Service the API server dials for admission; its DNS name is the certificate's SAN.
+Service names are DNS labels (63): the fullname is cut to 55 so that the suffixes stay distinct. */}}
+{{- define "dsv4-operator.webhookService" -}}
+{{- printf "%s-webhook" (include "dsv4-operator.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "dsv4-operator.metricsService" -}}
+{{- printf "%s-metrics" (include "dsv4-operator.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "dsv4-operator.webhookSecret" -}}
+{{- default (printf "%s-webhook-tls" (include "dsv4-operator.fullname" .)) .Values.webhook.secretName }}
+{{- end }}
+
+{{/* The ValidatingWebhookConfiguration the operator creates and keeps (kopf's managed configuration):
+cluster-scoped, so per release; a DNS subdomain, hence dots between fullname and namespace. */}}
+{{- define "dsv4-operator.webhookConfiguration" -}}
+{{- default (printf "%s.%s.validate.dsv4.ai" (include "dsv4-operator.fullname" .) .Release.Namespace) .Values.webhook.configurationName }}
+{{- end }}
+
+{{- define "dsv4-operator.leaseName" -}}
+{{- default (include "dsv4-operator.fullname" .) .Values.leaderElection.leaseName }}
+{{- end }}
+
+{{/* The ServiceMonitor value as a map; `metrics.serviceMonitor: true|false` (chart 0.1.0) still works. */}}
+{{- define "dsv4-operator.serviceMonitor" -}}
+{{- $sm := .Values.metrics.serviceMonitor }}
+{{- if kindIs "bool" $sm }}
+{{- toYaml (dict "enabled" $sm) }}
+{{- else }}
+{{- toYaml $sm }}
+{{- end }}
+{{- end }}
 
 {{/* What the operator does to a Dsv4Deployment's children, in a watched namespace. */}}
 {{- define "dsv4-operator.workloadRules" -}}
@@ -46,4 +117,4 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]
-{{- end -}}
+{{- end }}
