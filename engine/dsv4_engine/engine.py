@@ -34,6 +34,7 @@ from dsv4_engine.memory.sizing import fixed_pool_sizes, plan_pool_sizes, pool_by
 from dsv4_engine.memory.state_tail import cdiv
 from dsv4_engine.model import Dsv4ForCausalLM
 from dsv4_engine.model_runner import ModelRunner
+from dsv4_engine.sampler import TokenLogprobs
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.scheduler import Scheduler, SchedulerOutput, Sequence
 
@@ -46,6 +47,10 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    # For requests whose SamplingParams ask: one entry per new token, and (with the first token) the
+    # prompt's, entry i for prompt token i (None for the first, which nothing predicts).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def load_model(
@@ -220,6 +225,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
+        bad = [t for t in sampling_params.logit_bias or () if t >= self.config.vocab_size]
+        if bad:  # the sampler indexes the logits with them
+            raise ValueError(f"logit_bias token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
         seq = Sequence(request_id, list(prompt_token_ids), sampling_params, hold=hold)
         seq.generator = self._generator(sampling_params)
         self.scheduler.add(seq)  # raises if its context could never fit the pools
@@ -318,7 +326,7 @@ class LLMEngine:
             if self.scheduler.has_unfinished() and not self.scheduler.running and not self.scheduler.held:
                 raise RuntimeError("requests are waiting but none can be admitted with empty pools")
             return outputs
-        sampled = self.runner.run(out)
+        sampled = self.runner.run(out, self.scheduler.config.eos_token_ids)
         for observe in self.step_observers:
             observe(out, sampled)
         finished = {seq.request_id for seq in self.scheduler.postprocess(out, sampled)}
@@ -328,7 +336,12 @@ class LLMEngine:
             if rid not in sampled or rid not in self.requests:
                 continue
             done = rid in finished
-            outputs.append(StepOutput(rid, [sampled[rid]], done, seq.finish_reason if done else None))
+            step = StepOutput(rid, [sampled[rid]], done, seq.finish_reason if done else None)
+            if seq.params.logprobs is not None and seq.step_logprobs is not None:
+                step.logprobs = [seq.step_logprobs]
+            if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
+                step.prompt_logprobs = [None, *seq.prompt_logprobs]  # with the first token, once
+            outputs.append(step)
             if done:
                 del self.requests[rid]
         return outputs

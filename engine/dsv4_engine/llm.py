@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from dsv4_engine.engine import LLMEngine
+from dsv4_engine.sampler import TokenLogprobs
 from dsv4_engine.sampling_params import SamplingParams
 
 
@@ -18,6 +19,10 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort"
+    # When SamplingParams.logprobs / prompt_logprobs ask: one entry per output token / prompt token
+    # (the first prompt token's is None).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -46,9 +51,17 @@ class LLM:
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_ids, params, strict=True)]
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         reasons: dict[str, str | None] = dict.fromkeys(ids)
+        logprobs: dict[str, list[TokenLogprobs] | None] = {
+            i: [] if sp.logprobs is not None else None for i, sp in zip(ids, params, strict=True)
+        }
+        prompt_logprobs: dict[str, list[TokenLogprobs | None] | None] = dict.fromkeys(ids)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 tokens[out.request_id].extend(out.new_token_ids)
+                if out.logprobs is not None:
+                    logprobs[out.request_id].extend(out.logprobs)  # type: ignore[union-attr]
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     reasons[out.request_id] = out.finish_reason
         return [
@@ -58,6 +71,8 @@ class LLM:
                 token_ids=tokens[i],
                 text=self.tokenizer.decode(tokens[i], skip_special_tokens=True),
                 finish_reason=reasons[i],
+                logprobs=logprobs[i],
+                prompt_logprobs=prompt_logprobs[i],
             )
             for i, p in zip(ids, prompt_ids, strict=True)
         ]

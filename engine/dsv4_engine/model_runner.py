@@ -9,6 +9,8 @@ one method with a fixed-shape input that a graph runner can take over.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from dsv4_engine.attention import buckets_for
@@ -16,8 +18,12 @@ from dsv4_engine.graph_runner import DECODE_MODES, DecodeGraphRunner, DecodeMode
 from dsv4_engine.memory import Dsv4Allocator, DSV4OutCacheLoc, Dsv4TokenToKVPool, ExtendSpec
 from dsv4_engine.memory.seq_cache import PagedSeqCache
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
-from dsv4_engine.sampler import sample
+from dsv4_engine.sampler import sample, token_logprobs
 from dsv4_engine.scheduler import ScheduledChunk, SchedulerOutput, Sequence
+
+# Prompt logprobs are computed this many positions at a time, so a long chunk never holds its whole
+# [chunk, vocab] logits at once.
+PROMPT_LOGPROB_ROWS = 256
 
 
 class ModelRunner:
@@ -91,6 +97,9 @@ class ModelRunner:
             [(self._cache(c.seq, c.start), c.token_ids) for c in chunks], device=self.device
         )
         hidden = self.model(batch)
+        for c, s in zip(chunks, batch.seqs, strict=True):
+            if c.seq.params.prompt_logprobs is not None:  # only requests that ask pay for every row
+                _prompt_logprobs(self.model, c, hidden[s.offset : s.offset + s.length])
         last = [s.offset + s.length - 1 for c, s in zip(chunks, batch.seqs, strict=True) if c.sample]
         if not last:
             return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
@@ -137,8 +146,10 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> dict[str, int]:
-        """Forward the step and sample: request id -> next token, for every chunk with sample=True."""
+    def run(self, out: SchedulerOutput, eos_token_ids: Collection[int] = ()) -> dict[str, int]:
+        """Forward the step and sample: request id -> next token, for every chunk with sample=True.
+        `eos_token_ids`: what `min_tokens` masks besides a request's stop ids. A request asking for
+        logprobs gets its sampled token's in `seq.step_logprobs` (raw logits, before any penalty)."""
         n_dec = 0
         while n_dec < len(out.chunks) and out.chunks[n_dec].is_decode:
             n_dec += 1
@@ -164,5 +175,30 @@ class ModelRunner:
             all_logits,
             [s.params for s in seqs],
             [s.generator for s in seqs],  # type: ignore[misc]
+            prompt_ids=[s.prompt_token_ids for s in seqs],
+            output_ids=[s.output_token_ids for s in seqs],
+            eos_token_ids=eos_token_ids,
         )
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if want:
+            rows = torch.tensor(want, dtype=torch.long, device=all_logits.device)
+            ks = [seqs[i].params.logprobs or 0 for i in want]
+            entries = token_logprobs(all_logits.index_select(0, rows), [tokens[i] for i in want], ks)
+            for i, entry in zip(want, entries, strict=True):
+                seqs[i].step_logprobs = entry
         return {s.request_id: t for s, t in zip(seqs, tokens, strict=True)}
+
+
+def _prompt_logprobs(model: Dsv4ForCausalLM, chunk: ScheduledChunk, hidden: torch.Tensor) -> None:
+    """Append to `seq.prompt_logprobs` the logprob of each prompt token this chunk predicts
+    (position p's logits give token p + 1's), from the chunk's hidden rows; positions done before a
+    preemption are skipped."""
+    seq, k = chunk.seq, chunk.seq.params.prompt_logprobs
+    assert k is not None
+    prompt = seq.prompt_token_ids
+    lo, hi = max(chunk.start, len(seq.prompt_logprobs)), min(chunk.end, len(prompt) - 1)
+    assert lo == len(seq.prompt_logprobs) or lo >= hi, "prompt chunks arrive in order"
+    for a in range(lo, hi, PROMPT_LOGPROB_ROWS):
+        b = min(a + PROMPT_LOGPROB_ROWS, hi)
+        logits = model.compute_logits(hidden[a - chunk.start : b - chunk.start])
+        seq.prompt_logprobs += token_logprobs(logits, prompt[a + 1 : b + 1], [k] * (b - a))

@@ -1,8 +1,12 @@
-"""Per-request sampling settings (vLLM's names)."""
+"""Per-request sampling settings (vLLM's names and meanings)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# The most top logprobs one position may ask for (vLLM's default --max-logprobs, OpenAI chat's limit).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -14,6 +18,18 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past EOS (EOS is still a candidate token)
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    # Penalties, as vLLM applies them: presence/frequency (OpenAI's definition) over the output tokens,
+    # repetition (HF's: positive logits divided, negative multiplied) over prompt and output tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens whose probability is below min_p times the most likely one's
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    # Logprobs of the raw model distribution (before temperature, penalties, bias, filters), as vLLM's
+    # default: None: none; k >= 0: the sampled (or prompt) token's logprob and the k most likely.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -29,7 +45,33 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
         self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.logit_bias is not None:
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.logit_bias):
+                raise ValueError("logit_bias keys must be non-negative token ids")
+            if any(not math.isfinite(b) for b in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be finite")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {k}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (they need the request's token history)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

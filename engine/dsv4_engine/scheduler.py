@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from .memory.allocator import FAMILIES, Dsv4Allocator, DSV4OutCacheLoc, ExtendSpec
 from .memory.state_tail import cdiv
@@ -53,6 +54,11 @@ class Sequence:
     # dropped whenever the pages are freed) and the request's seeded sampling generator.
     cache: object | None = None
     generator: object | None = None
+    # Logprobs for requests that ask (sampler.TokenLogprobs): the prompt's, entry p for token p + 1,
+    # filled chunk by chunk (kept across a preemption, so a recompute does not repeat them); and the
+    # token sampled by the latest step.
+    prompt_logprobs: list[Any] = field(default_factory=list)
+    step_logprobs: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -135,6 +135,43 @@ def test_seeded_sampling_equals_colocated(cluster: dict[str, Any], pd: Any) -> N
     )
 
 
+def test_penalties_bias_min_p_and_min_tokens_equal_colocated(cluster: dict[str, Any], pd: Any) -> None:
+    """Both legs apply the same settings: the prefill to the first token (the prompt its history),
+    the decode to the rest (prompt and first token): the output is the colocated server's."""
+    plain = {"temperature": 0.9, "top_k": 50, "sampling_seed": 99}
+    sampling = {
+        **plain, "presence_penalty": 1.2, "frequency_penalty": 0.6, "repetition_penalty": 1.4,
+        "min_p": 0.05, "logit_bias": {"40": 6.0}, "min_new_tokens": 5,
+    }  # fmt: skip
+    prompt = random_ids(140, seed=41)
+    want = colocated(cluster["C"], prompt, **sampling)
+    assert len(want) >= 5 and want != colocated(cluster["C"], prompt, **plain)
+    assert pd_generate(cluster["P128"], cluster["D1"], prompt, pd, **sampling) == want
+    pd.settle(cluster["P128"], cluster["D1"], initial=cluster["initial"])
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "logprobs": 1}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            "logprobs",
+        ),
+    ],
+)
+def test_what_does_not_travel_is_refused_by_both_legs(
+    cluster: dict[str, Any], pd: Any, route: str, body: dict[str, Any], param: str
+) -> None:
+    p, d = pd.send_pair(cluster["P128"], cluster["D2"], pd.pd_body(cluster["P128"], body), route)
+    for r, mode in ((p, "prefill"), (d, "decode")):
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (param, "unsupported_parameter") and mode in err["message"]
+
+
 def test_two_prefill_two_decode_interleaved(
     cluster: dict[str, Any], references: dict[int, list[int]], pd: Any
 ) -> None:

@@ -28,20 +28,23 @@ BATCH = 10
 EXAMPLES = 52  # x BATCH requests
 VOCAB = 512  # the tiny preset's vocabulary
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+# Fields given junk values by the "unsupported" mutation: ones the server refuses unless off, and
+# honoured ones whose bad values must still be a 400 (not `n`: a junk n of 100 would be 100 sequences).
 UNSUPPORTED = (
-    "n",
-    "logprobs",
     "best_of",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
     "tools",
     "response_format",
     "suffix",
-    "top_logprobs",
-    "min_p",
-    "repetition_penalty",
     "return_logprob",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_p",
+    "min_tokens",
+    "repetition_penalty",
 )
 GET_PATHS = (
     "/health",
@@ -86,6 +89,13 @@ sampling = st.fixed_dictionaries(
         "top_k": st.sampled_from([-1, 1, 5]),
         "seed": st.integers(0, 2**31),
         "stop": st.one_of(small_text, st.lists(small_text, min_size=1, max_size=2)),
+        "presence_penalty": st.sampled_from([0.0, 1.5]),
+        "frequency_penalty": st.sampled_from([-0.5, 0.0, 2.0]),
+        "repetition_penalty": st.sampled_from([0.8, 1.0, 1.3]),
+        "min_p": st.sampled_from([0.0, 0.2]),
+        "logit_bias": st.dictionaries(
+            st.integers(0, VOCAB - 1).map(str), st.sampled_from([-100, 5.5]), max_size=3
+        ),
     },
 )
 

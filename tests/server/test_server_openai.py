@@ -155,7 +155,7 @@ def test_models_and_errors(client: openai.OpenAI, llm: Any) -> None:
         client.completions.create(model=NAME, prompt="x", max_tokens=llm.engine.max_model_len)
     assert over.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as n:
-        client.chat.completions.create(model=NAME, messages=CHAT, n=2)
+        client.chat.completions.create(model=NAME, messages=CHAT, n=129)  # OpenAI's limit is 128
     assert n.value.body["param"] == "n"
 
 

@@ -30,6 +30,8 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None
     time: float
+    logprobs: list[Any] | None = None  # the engine's StepOutput fields, when the request asked
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -213,7 +215,14 @@ class EngineBridge:
             handle = self._handles.get(out.request_id)
             if handle is None:
                 continue  # aborted by us, or the warm-up of another bridge
-            event = TokenEvent(list(out.new_token_ids), bool(out.finished), out.finish_reason, now)
+            event = TokenEvent(
+                list(out.new_token_ids),
+                bool(out.finished),
+                out.finish_reason,
+                now,
+                getattr(out, "logprobs", None),  # engines without logprobs (tests' fakes) lack them
+                getattr(out, "prompt_logprobs", None),
+            )
             if event.finished:
                 handle.done = True
                 del self._handles[out.request_id]

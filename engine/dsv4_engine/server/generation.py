@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsv4_engine.sampler import TokenLogprobs
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.server.bridge import ErrorEvent, RequestHandle
 from dsv4_engine.server.detokenizer import IncrementalDetokenizer
@@ -36,12 +37,24 @@ class GenSpec:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0  # stop strings also wait until more tokens than this exist, as vLLM's
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # per generated token: its logprob and this many top ones
+    prompt_logprobs: int | None = None  # the same for every prompt token (echo with logprobs)
+    # Completions' echo with max_tokens 0: the engine generates one token, which nobody sees.
+    hide_output: bool = False
 
 
 @dataclass
 class Piece:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # the whole prompt's, when asked
 
 
 @dataclass
@@ -52,13 +65,23 @@ class Outcome:
     finish_reason: str  # "stop" | "length" | "abort"
     matched_stop: str | int | None = None
     ttft: float | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
 
 
-def sampling_params(spec: GenSpec, max_tokens: int) -> SamplingParams:
+def sampling_params(
+    spec: GenSpec, max_tokens: int, *, min_tokens_param: str = "min_tokens"
+) -> SamplingParams:
+    if spec.min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens ({spec.min_tokens}) must not be more than the tokens the completion may have "
+            f"({max_tokens})",
+            min_tokens_param,
+        )
     try:
         return SamplingParams(
             temperature=spec.temperature,
@@ -68,9 +91,23 @@ def sampling_params(spec: GenSpec, max_tokens: int) -> SamplingParams:
             ignore_eos=spec.ignore_eos,
             seed=spec.seed,
             stop_token_ids=list(spec.stop_token_ids),
+            presence_penalty=spec.presence_penalty,
+            frequency_penalty=spec.frequency_penalty,
+            repetition_penalty=spec.repetition_penalty,
+            min_p=spec.min_p,
+            min_tokens=spec.min_tokens,
+            logit_bias=dict(spec.logit_bias) if spec.logit_bias else None,
+            logprobs=spec.logprobs,
+            prompt_logprobs=spec.prompt_logprobs,
         )
     except ValueError as exc:  # SamplingParams names the field in its message
         raise bad_request(str(exc)) from exc
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request with `n > 1`: seed + index (mod 2**63), as vLLM; so
+    choice 0 is what the same request with n = 1 returns."""
+    return None if seed is None else (seed + index) % 2**63
 
 
 def resolve_max_tokens(
@@ -97,7 +134,7 @@ def resolve_max_tokens(
     return requested
 
 
-def check_token_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
+def check_token_ids(ctx: ServerContext, ids: Iterable[int], param: str) -> None:
     assert ctx.facts is not None
     vocab = ctx.facts.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -180,6 +217,8 @@ async def outcomes(
     stops = StopMatcher(spec.stop)
     ended = {*spec.stop_token_ids, *(ctx.facts.eos_token_ids if ctx.facts else [])}
     sent: list[str] = []  # exactly what the caller received
+    logprobs: list[TokenLogprobs] | None = [] if spec.logprobs is not None else None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     try:
         while True:
             event = await handle.queue.get()
@@ -192,27 +231,37 @@ async def outcomes(
                     raise unavailable("the server is shutting down", code="server_stopped")
                 raise ApiError(400, f"the engine refused the request: {event.error}", code="engine_rejected")
             final = event.finished
-            text = stops.push(detok.push(event.token_ids, final=final), final=final)
+            if event.prompt_logprobs is not None:
+                prompt_logprobs = event.prompt_logprobs
+            new_logprobs = event.logprobs if logprobs is not None and not spec.hide_output else None
+            if new_logprobs:
+                logprobs.extend(new_logprobs)  # type: ignore[union-attr]
+            if spec.hide_output:  # the prompt alone is the answer; the token made meanwhile is dropped
+                text = ""
+            else:
+                # vLLM's rule: stop strings count only once more than min_tokens tokens exist
+                armed = not spec.min_tokens or len(detok.token_ids) + len(event.token_ids) > spec.min_tokens
+                text = stops.push(detok.push(event.token_ids, final=final), final=final, armed=armed)
             sent.append(text)
             if stops.matched is not None:
                 bridge.abort(handle)  # stop string reached: free the engine's pages now
                 if text:
-                    yield Piece(text, event.token_ids)
-                yield _outcome(handle, sent, detok, "stop", stops.matched)
+                    yield Piece(text, event.token_ids, new_logprobs, prompt_logprobs)
+                yield _outcome(handle, sent, detok, "stop", stops.matched, logprobs, prompt_logprobs)
                 return
-            if text or event.token_ids:
-                yield Piece(text, event.token_ids)
+            if not spec.hide_output and (text or event.token_ids):
+                yield Piece(text, event.token_ids, new_logprobs, prompt_logprobs)
             if final:
                 if handle.pd_wait is not None:  # PD prefill: done once the transfer ended
                     try:
                         await asyncio.shield(handle.pd_wait)
                     except Exception as exc:
                         raise _pd_api_error(exc) from exc
-                reason = event.finish_reason or "stop"
+                reason = "length" if spec.hide_output else event.finish_reason or "stop"
                 matched = None
                 if reason == "stop" and detok.token_ids and detok.token_ids[-1] in ended:
                     matched = detok.token_ids[-1]
-                yield _outcome(handle, sent, detok, reason, matched)
+                yield _outcome(handle, sent, detok, reason, matched, logprobs, prompt_logprobs)
                 return
     except asyncio.CancelledError:
         log.info("request %s cancelled (client gone); aborting it in the engine", handle.request_id)
@@ -238,6 +287,17 @@ def _outcome(
     detok: IncrementalDetokenizer,
     reason: str,
     matched: str | int | None,
+    logprobs: list[TokenLogprobs] | None = None,
+    prompt_logprobs: list[TokenLogprobs | None] | None = None,
 ) -> Outcome:
     ttft = None if handle.first_token_time is None else handle.first_token_time - handle.created
-    return Outcome("".join(sent), list(detok.token_ids), handle.prompt_len, reason, matched, ttft)
+    return Outcome(
+        "".join(sent),
+        list(detok.token_ids),
+        handle.prompt_len,
+        reason,
+        matched,
+        ttft,
+        logprobs,
+        prompt_logprobs,
+    )

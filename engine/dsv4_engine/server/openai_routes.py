@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -20,10 +21,19 @@ from dsv4_engine.server.generation import (
     Lease,
     Outcome,
     Piece,
+    check_token_ids,
+    choice_seed,
     outcomes,
     resolve_max_tokens,
     sampling_params,
     start_all,
+)
+from dsv4_engine.server.logprobs import (
+    CompletionLogprobs,
+    chat_content,
+    chat_logprobs,
+    merge_parts,
+    token_text,
 )
 from dsv4_engine.server.middleware import IGNORED_FIELDS_STATE, field_list
 from dsv4_engine.server.prompts import encode_chat, encode_prompt
@@ -32,6 +42,7 @@ from dsv4_engine.server.protocol import (
     CompletionRequest,
     _Request,
     _Sampling,
+    logit_bias_ids,
     stop_list,
 )
 from dsv4_engine.server.state import ServerContext
@@ -47,9 +58,12 @@ def _ctx(request: Request) -> ServerContext:
     return request.app.state.ctx
 
 
-def spec_from(req: _Sampling) -> GenSpec:
+def spec_from(ctx: ServerContext, req: _Sampling) -> GenSpec:
     if req.seed is not None and req.sampling_seed is not None and req.seed != req.sampling_seed:
         raise bad_request("seed and sampling_seed disagree; give one", "sampling_seed")
+    bias = logit_bias_ids(req.logit_bias)
+    if bias:
+        check_token_ids(ctx, bias, "logit_bias")
     return GenSpec(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -59,6 +73,12 @@ def spec_from(req: _Sampling) -> GenSpec:
         stop=stop_list(req.stop),
         stop_token_ids=list(req.stop_token_ids or []),
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0,
+        min_tokens=req.min_tokens or 0,
+        logit_bias=bias,
     )
 
 
@@ -93,8 +113,9 @@ def check_pd_fields(ctx: ServerContext, req: Any) -> None:
         )
 
 
-def usage(outs: list[Outcome]) -> dict[str, int]:
-    prompt = sum(o.prompt_tokens for o in outs)
+def usage(prompts: list[list[int]], outs: list[Outcome]) -> dict[str, int]:
+    """Each prompt counted once, however many choices it has (as OpenAI counts n > 1)."""
+    prompt = sum(len(p) for p in prompts)
     completion = sum(o.completion_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -136,13 +157,20 @@ def _prepare(
     requested: int | None,
     prompt: str,
     limit: str,
-) -> list[Any]:
-    return [
-        sampling_params(
+    n: int,
+) -> tuple[list[list[int]], list[Any]]:
+    """The sequences of a request: n per prompt, prompt-major (choice index = prompt * n + j), each
+    an independent engine request (its prompt prefilled again) with seed + j."""
+    seqs: list[list[int]] = []
+    params: list[Any] = []
+    for ids in prompts:
+        base = sampling_params(
             spec, resolve_max_tokens(ctx, len(ids), requested, prompt_param=prompt, limit_param=limit)
         )
-        for ids in prompts
-    ]
+        for j in range(n):
+            seqs.append(ids)
+            params.append(base if j == 0 else dataclasses.replace(base, seed=choice_seed(base.seed, j)))
+    return seqs, params
 
 
 async def _collect(
@@ -168,18 +196,33 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     pd.check_admission(ctx, req)
     ctx.require_model(req.model)
     check_pd_fields(ctx, req)
+    n = req.n or 1
+    pd.check_features(ctx, {"logprobs": req.logprobs is not None, "n": n > 1})
     texts = req.prompts()
     prompts = [await encode_prompt(ctx, p) for p in texts]
     requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-    spec = spec_from(req)
-    params = _prepare(ctx, spec, prompts, requested, "prompt", "max_tokens")
+    spec = spec_from(ctx, req)
+    spec.logprobs = req.logprobs
+    if req.echo and req.logprobs is not None:
+        spec.prompt_logprobs = req.logprobs  # only these requests pay for every prompt row's logits
+    if requested == 0:
+        # OpenAI's (and lm-eval's) "score the prompt": the prompt is the whole answer. The engine
+        # makes one token anyway (no extra forward: it comes from the prefill's last row) and it is
+        # dropped, as vLLM does.
+        if not req.echo:
+            raise bad_request("max_tokens 0 is only allowed with echo: true", "max_tokens")
+        if spec.min_tokens:
+            raise bad_request("min_tokens must be 0 when max_tokens is 0", "min_tokens")
+        spec.hide_output = True
+    seqs, params = _prepare(ctx, spec, prompts, max(requested, 1), "prompt", "max_tokens", n)
     echoes = [(p if isinstance(p, str) else ctx.tokenizer.decode(p)) if req.echo else "" for p in texts]
-    lease = start_all(ctx, prompts, params, arrival=arrival, targets=pd.targets(ctx, req, len(prompts)))
+    lease = start_all(ctx, seqs, params, arrival=arrival, targets=pd.targets(ctx, req, len(prompts)))
     streams = [outcomes(ctx, h, spec) for h in lease.handles]
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
+    shape = _Choices(ctx, req, prompts, echoes, n)
     if req.stream:
-        body = _stream_completion(ctx, request, req, streams, lease, rid, created, echoes, arrival)
+        body = _stream_completion(ctx, request, req, streams, lease, rid, created, shape, arrival)
         return sse_response(body, background=BackgroundTask(lease.close))
     try:
         outs = await unless_disconnected(
@@ -192,8 +235,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     choices = [
         {
             "index": i,
-            "text": echoes[i] + o.text,
-            "logprobs": None,
+            "text": shape.echo(i) + o.text,
+            "logprobs": shape.whole(i, o),
             "finish_reason": o.finish_reason,
             "matched_stop": o.matched_stop,
         }
@@ -205,17 +248,49 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         "created": created,
         "model": ctx.model_name,
         "choices": choices,
-        "usage": usage(outs),
+        "usage": usage(prompts, outs),
     }
     return JSONResponse(body)
 
 
-class _Usage:
-    """Token counts of a streamed response so far, per choice."""
+class _Choices:
+    """Completion choice i = prompt i // n: its echo and its `logprobs`, whole or chunk by chunk."""
 
-    def __init__(self, lease: Lease) -> None:
-        self.prompt = sum(h.prompt_len for h in lease.handles)
-        self.completion = [0] * len(lease.handles)
+    def __init__(
+        self, ctx: ServerContext, req: CompletionRequest, prompts: list[list[int]], echoes: list[str], n: int
+    ) -> None:
+        self.req, self.prompts, self.echoes, self.n = req, prompts, echoes, n
+        self.words = token_text(ctx.tokenizer) if req.logprobs is not None else None
+        self.logprobs: dict[int, CompletionLogprobs] = {}
+
+    def echo(self, i: int) -> str:
+        return self.echoes[i // self.n]
+
+    def _acc(self, i: int) -> CompletionLogprobs:
+        assert self.words is not None and self.req.logprobs is not None
+        return self.logprobs.setdefault(i, CompletionLogprobs(self.words, self.req.logprobs))
+
+    def prompt_part(self, i: int, item: Piece | Outcome) -> dict[str, list[Any]] | None:
+        if self.words is None or not self.req.echo:
+            return None
+        return self._acc(i).part(item.prompt_logprobs, self.prompts[i // self.n])
+
+    def part(self, i: int, entries: list[Any] | None, token_ids: list[int]) -> dict[str, list[Any]] | None:
+        return None if self.words is None else self._acc(i).part(entries, token_ids)
+
+    def whole(self, i: int, out: Outcome) -> dict[str, list[Any]] | None:
+        if self.words is None:
+            return None
+        parts = [p for p in (self.prompt_part(i, out), self.part(i, out.logprobs, out.token_ids)) if p]
+        return merge_parts(*parts)
+
+
+class _Usage:
+    """Token counts of a streamed response so far: each prompt once, completions per choice."""
+
+    def __init__(self, prompts: list[list[int]], choices: int) -> None:
+        self.prompt = sum(len(p) for p in prompts)
+        self.completion = [0] * choices
 
     def add(self, index: int, item: Piece | Outcome) -> None:
         if isinstance(item, Piece):
@@ -234,6 +309,32 @@ def _chunk_usage(req: _Sampling, progress: _Usage) -> dict[str, Any]:
     return {"usage": None} if req.include_usage() else {}
 
 
+class _Held:
+    """Per choice, the logprobs of tokens whose text has not been sent yet (a piece whose text is
+    still held back, e.g. half a character, carries none); they go out with the next text chunk, and
+    what is left with the finishing chunk, so the chunks' logprobs together cover every token."""
+
+    def __init__(self, choices: int) -> None:
+        self.entries: list[list[Any]] = [[] for _ in range(choices)]
+        self.ids: list[list[int]] = [[] for _ in range(choices)]
+        self.sent = [0] * choices
+
+    def add(self, i: int, piece: Piece) -> None:
+        self.entries[i] += piece.logprobs or []
+        self.ids[i] += piece.token_ids if piece.logprobs else []
+
+    def take(self, i: int) -> tuple[list[Any], list[int]]:
+        entries, ids = self.entries[i], self.ids[i]
+        self.entries[i], self.ids[i] = [], []
+        self.sent[i] += len(entries)
+        return entries, ids
+
+    def rest(self, i: int, out: Outcome) -> tuple[list[Any], list[int]]:
+        entries = (out.logprobs or [])[self.sent[i] :]
+        self.sent[i] += len(entries)
+        return entries, out.token_ids[len(out.token_ids) - len(entries) :]
+
+
 async def _stream_completion(
     ctx: ServerContext,
     request: Request,
@@ -242,30 +343,39 @@ async def _stream_completion(
     lease: Lease,
     rid: str,
     created: int,
-    echoes: list[str],
+    shape: _Choices,
     arrival: float,
 ) -> AsyncIterator[bytes]:
-    progress = _Usage(lease)
+    progress = _Usage(shape.prompts, len(streams))
     every_piece = req.continuous_usage()  # then empty pieces are sent too: each carries token counts
     head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+    # With logprobs the echo waits for the prompt's logprobs, which come with the first output.
+    echo_late = bool(req.echo) and req.logprobs is not None
+    echoed = [False] * len(streams)
+    held = _Held(len(streams))
 
-    def chunk(i: int, text: str, reason: str | None) -> bytes:
-        choice = {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+    def chunk(i: int, text: str, reason: str | None, logprobs: dict[str, Any] | None = None) -> bytes:
+        choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
         return sse({**head, "choices": [choice], **_chunk_usage(req, progress)})
 
     try:
-        for i, echo in enumerate(echoes):
-            if echo:
-                yield chunk(i, echo, None)
+        for i in range(len(streams)):
+            if shape.echo(i) and not echo_late:
+                yield chunk(i, shape.echo(i), None)
         async with contextlib.aclosing(merge(streams)) as merged:
             async for i, item in merged:
                 progress.add(i, item)
+                if echo_late and not echoed[i]:
+                    echoed[i] = True
+                    yield chunk(i, shape.echo(i), None, shape.prompt_part(i, item))
                 if isinstance(item, Piece):
+                    held.add(i, item)
                     if item.text or every_piece:
-                        yield chunk(i, item.text, None)
+                        yield chunk(i, item.text, None, shape.part(i, *held.take(i)))
                 else:
                     finished(ctx, request, "completion", item, arrival)
-                    yield chunk(i, "", item.finish_reason)
+                    entries, ids = held.rest(i, item)
+                    yield chunk(i, "", item.finish_reason, shape.part(i, entries, ids) if entries else None)
         if req.include_usage():
             yield sse({**head, "choices": [], "usage": progress.body()})
         yield DONE
@@ -284,16 +394,22 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     pd.check_admission(ctx, req)
     ctx.require_model(req.model)
     check_pd_fields(ctx, req)
+    n = req.n or 1
+    pd.check_features(
+        ctx, {"logprobs": bool(req.logprobs), "top_logprobs": bool(req.top_logprobs), "n": n > 1}
+    )
     ids = await encode_chat(ctx, req)
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    spec = spec_from(req)
-    params = _prepare(ctx, spec, [ids], req.token_limit(), "messages", limit)
-    lease = start_all(ctx, [ids], params, arrival=arrival, targets=pd.targets(ctx, req, 1))
+    spec = spec_from(ctx, req)
+    if req.logprobs:
+        spec.logprobs = req.top_logprobs or 0
+    seqs, params = _prepare(ctx, spec, [ids], req.token_limit(), "messages", limit, n)
+    lease = start_all(ctx, seqs, params, arrival=arrival, targets=pd.targets(ctx, req, 1))
     streams = [outcomes(ctx, h, spec) for h in lease.handles]
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if req.stream:
-        body = _stream_chat(ctx, request, req, streams[0], lease, rid, created, arrival)
+        body = _stream_chat(ctx, request, req, streams, lease, rid, created, [ids], arrival)
         return sse_response(body, background=BackgroundTask(lease.close))
     try:
         outs = await unless_disconnected(request, lambda: _collect(ctx, request, "chat", streams, arrival))
@@ -301,22 +417,26 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         return Response(status_code=499)
     finally:
         lease.close()
-    out = outs[0]
+    words = token_text(ctx.tokenizer) if req.logprobs else None
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": None
+            if words is None
+            else chat_logprobs(out.logprobs or [], spec.logprobs or 0, words),
+            "finish_reason": out.finish_reason,
+            "matched_stop": out.matched_stop,
+        }
+        for i, out in enumerate(outs)
+    ]
     body = {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": ctx.model_name,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": None,
-                "finish_reason": out.finish_reason,
-                "matched_stop": out.matched_stop,
-            }
-        ],
-        "usage": usage(outs),
+        "choices": choices,
+        "usage": usage([ids], outs),
     }
     return JSONResponse(body)
 
@@ -325,31 +445,40 @@ async def _stream_chat(
     ctx: ServerContext,
     request: Request,
     req: ChatCompletionRequest,
-    stream: AsyncIterator[Piece | Outcome],
+    streams: list[AsyncIterator[Piece | Outcome]],
     lease: Lease,
     rid: str,
     created: int,
+    prompts: list[list[int]],
     arrival: float,
 ) -> AsyncIterator[bytes]:
-    progress = _Usage(lease)
+    progress = _Usage(prompts, len(streams))
     every_piece = req.continuous_usage()
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
+    words = token_text(ctx.tokenizer) if req.logprobs else None
+    top = req.top_logprobs or 0
+    held = _Held(len(streams))
 
-    def chunk(delta: dict[str, Any], reason: str | None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def chunk(i: int, delta: dict[str, Any], reason: str | None, entries: list[Any] | None = None) -> bytes:
+        logprobs = None
+        if words is not None and entries:
+            logprobs = {"content": chat_content(entries, top, words), "refusal": None}
+        choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return sse({**head, "choices": [choice], **_chunk_usage(req, progress)})
 
     try:
-        yield chunk({"role": "assistant", "content": ""}, None)
-        async with contextlib.aclosing(stream) as items:
-            async for item in items:
-                progress.add(0, item)
+        for i in range(len(streams)):
+            yield chunk(i, {"role": "assistant", "content": ""}, None)
+        async with contextlib.aclosing(merge(streams)) as merged:
+            async for i, item in merged:
+                progress.add(i, item)
                 if isinstance(item, Piece):
+                    held.add(i, item)
                     if item.text or every_piece:
-                        yield chunk({"content": item.text}, None)
+                        yield chunk(i, {"content": item.text}, None, held.take(i)[0])
                     continue
                 finished(ctx, request, "chat", item, arrival)
-                yield chunk({}, item.finish_reason)
+                yield chunk(i, {}, item.finish_reason, held.rest(i, item)[0])
         if req.include_usage():
             yield sse({**head, "choices": [], "usage": progress.body()})
         yield DONE

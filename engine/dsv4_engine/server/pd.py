@@ -83,6 +83,33 @@ def targets(ctx: ServerContext, req: Any, n: int) -> list[PdTarget] | None:
     return out
 
 
+# Fields a PD server refuses (the value that means "on"), and why: what they need stays on one side.
+_NOT_THROUGH_PD = {
+    "logprobs": "the first token is sampled on the prefill server and its logprobs, like the prompt's, "
+    "are not sent to the decode server",
+    "top_logprobs": "the first token is sampled on the prefill server and its logprobs are not sent to "
+    "the decode server",
+    "n": "each choice would need its own bootstrap room, and the router sends one per prompt",
+}
+
+
+def check_features(ctx: ServerContext, asked: dict[str, bool]) -> None:
+    """On a prefill or decode server, a 400 naming the first asked-for feature that does not work
+    through PD (`_NOT_THROUGH_PD`). Both servers get the same body, so both refuse it alike."""
+    mode = ctx.settings.disaggregation_mode
+    if mode == "null":
+        return
+    for name, on in asked.items():
+        if on:
+            why = _NOT_THROUGH_PD[name]
+            raise bad_request(
+                f"'{name}' is not supported by a PD {mode} server (--disaggregation-mode {mode}): {why}; "
+                "send it to a colocated server",
+                name,
+                "unsupported_parameter",
+            )
+
+
 def pd_error(err: PdError) -> ApiError:
     headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
     kind = (
@@ -125,9 +152,10 @@ def _start_prefill(
 
     bridge, rooms, rid = ctx.bridge, ctx.pd, handle.request_id
     assert bridge is not None
-    # The prefill computes the first token only (sampled as a colocated server would); the decode
-    # server goes on from it.
-    first = dataclasses.replace(params, max_tokens=1)
+    # The prefill computes the first token only (sampled as a colocated server would: penalties,
+    # logit_bias, min_p and min_tokens apply to it here); the decode server goes on from it with the
+    # same settings, its prompt and that token as history.
+    first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
     def go() -> None:
         bridge.add(rid, ids, first, hold=True, handle=handle)

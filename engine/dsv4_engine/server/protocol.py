@@ -2,7 +2,7 @@
 
 Every field a model declares is either honoured or rejected with a 400 that names it: fields we
 cannot honour accept only the value that means "feature off" (sglang-router 0.3.2 re-serialises
-requests and always sends some of those, e.g. `logprobs: false`, `skip_special_tokens: true`).
+requests and always sends some of those, e.g. `no_stop_trim: false`, `skip_special_tokens: true`).
 Every field OpenAI defines for an endpoint is declared (`OPENAI_*_FIELDS` below), so none of them is
 ever silently ignored. A top-level field the model does not declare is some other server's extension
 (`nvext`, `return_routed_experts`): it is dropped and reported (`_Request.ignored_fields`; the routes
@@ -29,6 +29,10 @@ from dsv4_engine.server.errors import UNSUPPORTED_MARK
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
+MAX_N = 128  # OpenAI's limit on choices per request
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits
+MAX_COMPLETION_LOGPROBS = 5
+LOGIT_BIAS_LIMIT = 100.0
 _I64 = 2**63
 
 
@@ -129,6 +133,20 @@ def _check_token_ids(v: list[int] | None) -> list[int] | None:
     return v
 
 
+def _check_logit_bias(v: dict[str, float] | None) -> dict[str, float] | None:
+    for key, bias in (v or {}).items():
+        if not key.isascii() or not key.isdigit():
+            raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"bias values must be in [-100, 100], got {bias} for token {key}")
+    return v
+
+
+def logit_bias_ids(v: dict[str, float] | None) -> dict[int, float] | None:
+    """The checked `logit_bias` with integer keys (JSON object keys are strings)."""
+    return {int(k): float(b) for k, b in v.items()} if v else None
+
+
 def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
@@ -163,15 +181,16 @@ class _Sampling(_Request):
     bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
     bootstrap_pair_key: str | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100]
+    # vLLM's extensions, with its meanings.
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0, lt=2**31)
     # Accepted only as "off".
-    n: off(None, 1) = None
     best_of: off(None, 1) = None
-    frequency_penalty: off(None, 0.0) = None
-    presence_penalty: off(None, 0.0) = None
-    repetition_penalty: off(None, 1.0) = None
-    logit_bias: off(None, {}) = None
-    min_p: off(None, 0.0) = None
-    min_tokens: off(None, 0) = None
     no_stop_trim: off(None, False) = None
     regex: off(None) = None
     ebnf: off(None) = None
@@ -188,6 +207,7 @@ class _Sampling(_Request):
     _top_k = field_validator("top_k")(classmethod(lambda cls, v: _check_top_k(v)))
     _stop = field_validator("stop")(classmethod(lambda cls, v: _check_stop(v)))
     _ids = field_validator("stop_token_ids")(classmethod(lambda cls, v: _check_token_ids(v)))
+    _bias = field_validator("logit_bias")(classmethod(lambda cls, v: _check_logit_bias(v)))
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> Self:
@@ -209,8 +229,10 @@ class CompletionRequest(_Sampling):
     openai_fields = OPENAI_COMPLETION_FIELDS
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
+    # 0 only with echo (the prompt and, with logprobs, its logprobs; the route checks it).
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool | None = None
-    logprobs: off(None) = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     suffix: off(None, "") = None
 
     @field_validator("prompt")
@@ -286,8 +308,8 @@ class ChatCompletionRequest(_Sampling):
     # sglang-router sends these; with no reasoning parser the whole answer is `content` either way.
     separate_reasoning: bool | None = None
     stream_reasoning: bool | None = None
-    logprobs: off(None, False) = None
-    top_logprobs: off(None) = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     response_format: off(None, {"type": "text"}) = None
     tools: off(None, []) = None
     tool_choice: off(None, "none") = None
@@ -309,6 +331,14 @@ class ChatCompletionRequest(_Sampling):
         check_continue(self.messages, self.continue_final_message, self.add_generation_prompt)
         return self
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # 0 asks for nothing: tolerated without logprobs (routers may fill it in)
+        if v and info.data.get("logprobs") is not True:
+            raise ValueError("logprobs must be true when top_logprobs is given")
+        return v
+
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -325,24 +355,25 @@ class GenerateSamplingParams(_Strict):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     sampling_seed: int | None = Field(None, ge=0, lt=_I64)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_new_tokens: int | None = Field(None, ge=0, lt=2**31)
+    logit_bias: dict[str, float] | None = None
     spaces_between_special_tokens: off(None, True) = None
     n: off(None, 1) = None
-    frequency_penalty: off(None, 0.0) = None
-    presence_penalty: off(None, 0.0) = None
-    repetition_penalty: off(None, 1.0) = None
-    min_p: off(None, 0.0) = None
-    min_new_tokens: off(None, 0) = None
     no_stop_trim: off(None, False) = None
     json_schema: off(None) = None
     regex: off(None) = None
     ebnf: off(None) = None
-    logit_bias: off(None, {}) = None
     custom_params: off(None) = None
     stream_interval: off(None, 1) = None
 
     _top_k = field_validator("top_k")(classmethod(lambda cls, v: _check_top_k(v)))
     _stop = field_validator("stop")(classmethod(lambda cls, v: _check_stop(v)))
     _ids = field_validator("stop_token_ids")(classmethod(lambda cls, v: _check_token_ids(v)))
+    _bias = field_validator("logit_bias")(classmethod(lambda cls, v: _check_logit_bias(v)))
 
 
 class GenerateRequest(_Request):

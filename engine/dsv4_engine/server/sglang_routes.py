@@ -26,6 +26,7 @@ from dsv4_engine.server.generation import (
     Lease,
     Outcome,
     Piece,
+    check_token_ids,
     outcomes,
     resolve_max_tokens,
     sampling_params,
@@ -34,7 +35,7 @@ from dsv4_engine.server.generation import (
 )
 from dsv4_engine.server.openai_routes import check_pd_fields, finished, report_ignored
 from dsv4_engine.server.prompts import encode_prompt
-from dsv4_engine.server.protocol import GenerateRequest, stop_list
+from dsv4_engine.server.protocol import GenerateRequest, logit_bias_ids, stop_list
 from dsv4_engine.server.state import Phase, ServerContext
 from dsv4_engine.server.streaming import DONE, ClientGone, merge, sse, sse_response, unless_disconnected
 
@@ -163,10 +164,13 @@ async def health_generate(request: Request) -> Response:
     return Response(status_code=200)
 
 
-def _spec(req: GenerateRequest) -> GenSpec:
+def _spec(ctx: ServerContext, req: GenerateRequest) -> GenSpec:
     sp = req.sampling_params
     if sp is None:
         return GenSpec()
+    bias = logit_bias_ids(sp.logit_bias)
+    if bias:
+        check_token_ids(ctx, bias, "sampling_params.logit_bias")
     return GenSpec(
         temperature=1.0 if sp.temperature is None else sp.temperature,
         top_p=1.0 if sp.top_p is None else sp.top_p,
@@ -176,6 +180,12 @@ def _spec(req: GenerateRequest) -> GenSpec:
         stop=stop_list(sp.stop),
         stop_token_ids=list(sp.stop_token_ids or []),
         skip_special_tokens=True if sp.skip_special_tokens is None else sp.skip_special_tokens,
+        presence_penalty=sp.presence_penalty or 0.0,
+        frequency_penalty=sp.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if sp.repetition_penalty is None else sp.repetition_penalty,
+        min_p=sp.min_p or 0.0,
+        min_tokens=sp.min_new_tokens or 0,
+        logit_bias=bias,
     )
 
 
@@ -221,7 +231,7 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
     if len(rids) != len(prompts):
         raise bad_request("rid must have one entry per prompt", "rid")
     rids = [r or uuid.uuid4().hex for r in rids]
-    spec = _spec(req)
+    spec = _spec(ctx, req)
     requested = GENERATE_DEFAULT_MAX_NEW_TOKENS
     if req.sampling_params is not None and req.sampling_params.max_new_tokens is not None:
         requested = req.sampling_params.max_new_tokens
@@ -236,6 +246,7 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
                 prompt_param=prompt_param,
                 limit_param="sampling_params.max_new_tokens",
             ),
+            min_tokens_param="sampling_params.min_new_tokens",
         )
         for p in prompts
     ]

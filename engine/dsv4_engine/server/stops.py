@@ -16,12 +16,16 @@ class StopMatcher:
         self._held = ""
         self.matched: str | None = None
 
-    def push(self, text: str, *, final: bool = False) -> str:
-        """Feed new text; return what may be sent now. After a match, returns "" forever."""
+    def push(self, text: str, *, final: bool = False, armed: bool = True) -> str:
+        """Feed new text; return what may be sent now. After a match, returns "" forever.
+        `armed=False` (before `min_tokens` are generated, as vLLM): nothing matches; all text passes."""
         if self.matched is not None:
             return ""
         if not self._stops:
             return text
+        if not armed:
+            out, self._held = self._held + text, ""
+            return out
         # Only a window around the new text can hold a match the held text did not already contain.
         start = max(0, len(self._held) - self._longest + 1)
         buf = self._held + text
