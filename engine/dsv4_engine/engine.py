@@ -111,6 +111,7 @@ class LLMEngine:
         enforce_eager: bool = True,
         tp_size: int = 1,
         ep_size: int = 1,
+        kernels: bool | None = None,
         tokenizer: object | None = None,
         **kwargs: object,
     ) -> None:
@@ -132,6 +133,7 @@ class LLMEngine:
             enforce_eager=enforce_eager,
             tp_size=tp_size,
             ep_size=ep_size,
+            kernels=kernels,
         )
         if cfg.device.type == "cpu":
             keep_freed_host_memory()  # page faults on reused temporaries cost up to ~10% of a step

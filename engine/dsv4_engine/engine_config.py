@@ -6,12 +6,15 @@ rules) and rejects what cannot work, naming the setting. The scheduler, the pool
 then read their part from the result (`scheduler_config`, `runner_options`, the pool sizing in
 `engine.plan_sizes`) instead of each taking its own copy of the numbers.
 
-The CPU kernels stay a per-process switch (`DSV4_KERNELS=0`, `dsv4_engine.kernels`): modules choose
-them per call, and two engines in one process share the same compiled ops.
+`kernels` says whether this engine uses the fused CPU kernels (`dsv4_engine.kernels`; default: on
+unless `DSV4_KERNELS=0`): the runner hands it to both kinds of step, the extend batch's ops and the
+decode graph runner, so two engines in one process may differ. Without a C++ compiler (or with
+`DSV4_KERNELS=0`, which also keeps them from being built) they are off whatever it says.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from dsv4_engine.device import resolve_dtype, select_device
+from dsv4_engine.kernels import KERNELS_ENV
 from dsv4_engine.scheduler import SchedulerConfig
 
 DEFAULT_MAX_MODEL_LEN = 16384  # caps the RoPE tables; the real model allows 1M positions
@@ -52,6 +56,7 @@ class EngineConfig:
     enforce_eager: bool
     tp_size: int = 1
     ep_size: int = 1
+    kernels: bool = True
 
     @classmethod
     def build(
@@ -71,6 +76,7 @@ class EngineConfig:
         enforce_eager: bool = True,
         tp_size: int = 1,
         ep_size: int = 1,
+        kernels: bool | None = None,
     ) -> EngineConfig:
         """What was asked, resolved; max_position_embeddings is the checkpoint's (it caps the context)."""
         for name, value in (
@@ -120,6 +126,7 @@ class EngineConfig:
             enforce_eager=enforce_eager,
             tp_size=tp_size,
             ep_size=ep_size,
+            kernels=kernels if kernels is not None else os.environ.get(KERNELS_ENV, "1") != "0",
         )
 
     @property
@@ -139,4 +146,8 @@ class EngineConfig:
 
     def runner_options(self) -> dict[str, Any]:
         """ModelRunner's keyword arguments."""
-        return {"enforce_eager": self.enforce_eager, "max_num_seqs": self.max_num_seqs}
+        return {
+            "enforce_eager": self.enforce_eager,
+            "max_num_seqs": self.max_num_seqs,
+            "kernels": self.kernels,
+        }

@@ -18,6 +18,7 @@ from dsv4_engine.graph_runner import DECODE_MODES, DecodeGraphRunner, DecodeMode
 from dsv4_engine.memory import Dsv4Allocator, DSV4OutCacheLoc, Dsv4TokenToKVPool, ExtendSpec
 from dsv4_engine.memory.seq_cache import PagedSeqCache
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
+from dsv4_engine.model.batch import ExtendOps
 from dsv4_engine.sampler import sample, token_logprobs
 from dsv4_engine.scheduler import ScheduledChunk, SchedulerOutput, Sequence
 
@@ -36,6 +37,7 @@ class ModelRunner:
         enforce_eager: bool = True,
         max_num_seqs: int | None = None,
         decode_mode: DecodeMode | None = None,
+        kernels: bool = True,
     ) -> None:
         """decode_mode: how `decode` runs (see there); default from `enforce_eager` and the device
         (`graph_runner.default_decode_mode`)."""
@@ -47,6 +49,9 @@ class ModelRunner:
         if self.decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
         self.decode_buckets = buckets_for(max_num_seqs)
+        # Whether steps may use the fused CPU kernels (EngineConfig.kernels): both kinds of step.
+        self.kernels = kernels
+        self.extend_ops = ExtendOps(kernels=kernels)
         self._decode_runner: DecodeGraphRunner | None = None  # built on first use
         # Test hook: request id -> digest of the first logits row the runner computed for it (on a PD
         # decode server, the first decode step's: it shows which state that step read).
@@ -64,6 +69,7 @@ class ModelRunner:
                 req_pool.max_context_len,
                 buckets=self.decode_buckets,
                 mode=self.decode_mode,
+                kernels=self.kernels,
             )
         return self._decode_runner
 
@@ -94,7 +100,9 @@ class ModelRunner:
         """Run prefill chunks (any prefix: chunked prefill continues at `chunk.start`) in one
         forward; logits `[n, V]` (fp32) of the last token of each chunk with `sample=True`, in order."""
         batch = ForwardBatch.build(
-            [(self._cache(c.seq, c.start), c.token_ids) for c in chunks], device=self.device
+            [(self._cache(c.seq, c.start), c.token_ids) for c in chunks],
+            device=self.device,
+            ops=self.extend_ops,
         )
         hidden = self.model(batch)
         for c, s in zip(chunks, batch.seqs, strict=True):
@@ -132,7 +140,7 @@ class ModelRunner:
             (self._cache(seq, spec.prefix_len), [seq.all_token_ids[spec.prefix_len]])
             for seq, spec in zip(seqs, specs, strict=True)
         ]
-        batch = ForwardBatch.build(chunks, device=self.device)
+        batch = ForwardBatch.build(chunks, device=self.device, ops=self.extend_ops)
         return self.model.compute_logits(self.model(batch))
 
     def _probe(self, seqs: list[Sequence], logits: torch.Tensor) -> None:

@@ -46,10 +46,43 @@ def test_what_cannot_work_is_rejected_by_name(kw: dict, field: str) -> None:
 
 
 def test_the_scheduler_and_runner_read_their_part() -> None:
-    cfg = build(max_num_seqs=8, chunked_prefill_size=256, enforce_eager=False)
+    cfg = build(max_num_seqs=8, chunked_prefill_size=256, enforce_eager=False, kernels=False)
     sched = cfg.scheduler_config((1,))
     assert (sched.page_size, sched.max_model_len, sched.max_num_seqs, sched.chunk_size, sched.eos_token_ids) == (
         128, 4096, 8, 256, (1,),
     )  # fmt: skip
     assert sched.max_num_batched_tokens == cfg.max_num_batched_tokens
-    assert cfg.runner_options() == {"enforce_eager": False, "max_num_seqs": 8}
+    assert cfg.runner_options() == {"enforce_eager": False, "max_num_seqs": 8, "kernels": False}
+
+
+def test_kernels_default_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DSV4_KERNELS", raising=False)
+    assert build().kernels is True
+    monkeypatch.setenv("DSV4_KERNELS", "0")
+    assert build().kernels is False
+    assert build(kernels=True).kernels is True  # an engine's own setting wins
+
+
+def test_an_engine_without_kernels_never_reaches_them(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels=False reaches both kinds of step: the modules' kernel-choosing forwards (mHC, routed
+    experts) are never called, and the batched decode step takes the torch kernel set; the greedy
+    output is the kernel engine's."""
+    from dsv4_engine.model.decode_ops import KernelOps
+    from dsv4_engine.model.hyper import HyperConnection
+    from dsv4_engine.model.moe import Experts
+    from dsv4_engine.sampling_params import SamplingParams
+
+    prompt = [list(range(5, 60))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = make_llm("A", kernels=True).generate(prompt, params)[0].token_ids
+
+    def refuse(*args: object, **kw: object) -> None:
+        raise AssertionError("a kernel-choosing forward ran in an engine built with kernels=False")
+
+    monkeypatch.setattr(HyperConnection, "forward", refuse)
+    monkeypatch.setattr(Experts, "forward", refuse)
+    llm = make_llm("A", kernels=False)
+    runner = llm.engine.runner
+    assert runner.extend_ops.kernels is False
+    assert not isinstance(runner.decode_runner().ops(), KernelOps)
+    assert llm.generate(prompt, params)[0].token_ids == want

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu.cpp", "attention.cpp", "pages.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("rows.h", "simd.h"))
 CFLAGS = ("-O3",)
+KERNELS_ENV = "DSV4_KERNELS"  # "0": never build or use them (also the default of EngineConfig.kernels)
 _state: dict[str, bool] = {}
 
 
@@ -143,7 +144,7 @@ def _register_fakes() -> None:
 def available() -> bool:
     """True once the kernels are loaded; builds them on the first call (a minute, then cached)."""
     if "ok" not in _state:
-        if os.environ.get("DSV4_KERNELS", "1") == "0":
+        if os.environ.get(KERNELS_ENV, "1") == "0":
             _state["ok"] = False
         else:
             try:

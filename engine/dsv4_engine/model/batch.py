@@ -49,7 +49,11 @@ class StepBatch(Protocol):
 
 
 class ExtendOps:
-    """The ops of an extend step: each module's own forward (which picks its CPU kernel itself)."""
+    """The ops of an extend step: each module's own forward (which picks its CPU kernel itself), or
+    with `kernels=False` the torch code those kernels mirror (`reference`)."""
+
+    def __init__(self, kernels: bool = True) -> None:
+        self.kernels = kernels
 
     def linear(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return m(x)
@@ -62,7 +66,7 @@ class ExtendOps:
     def hc_pre(
         self, hc: HyperConnection, streams: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return hc(streams)
+        return hc(streams) if self.kernels else hc.reference(streams)
 
     def hc_post(
         self,
@@ -83,7 +87,8 @@ class ExtendOps:
         self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, shared_pack: Any = None
     ) -> torch.Tensor:
         weights, ids = self.route(moe.gate, x, input_ids)
-        return moe.experts(x, weights, ids).add_(moe.shared_experts(x))
+        experts = moe.experts if self.kernels else moe.experts.reference
+        return experts(x, weights, ids).add_(moe.shared_experts(x))
 
 
 EXTEND_OPS = ExtendOps()
@@ -119,7 +124,10 @@ class ForwardBatch:
 
     @classmethod
     def build(
-        cls, chunks: list[tuple[SeqCache, list[int]]], device: torch.device | str = "cpu"
+        cls,
+        chunks: list[tuple[SeqCache, list[int]]],
+        device: torch.device | str = "cpu",
+        ops: ExtendOps = EXTEND_OPS,
     ) -> ForwardBatch:
         """A batch from (cache, new token ids) pairs; each chunk continues at `cache.num_tokens`."""
         seqs, ids, positions, offset = [], [], [], 0
@@ -133,6 +141,7 @@ class ForwardBatch:
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             seqs=seqs,
+            ops=ops,
         )
 
     def check_positions(self, max_positions: int) -> None:
