@@ -1,6 +1,7 @@
 """Serving benchmark: N concurrent streaming clients against `dsv4 serve`, versus offline `LLM.generate`.
 
     python bench/serve.py [--preset small] [--clients 32] [--prompt-len 128 512] [--output-len 64]
+    python bench/serve.py --base-url http://127.0.0.1:8000 [--model NAME] [--request-rate 4]
 
 Both runs use the same prompts (random token ids, seeded), greedy sampling and `ignore_eos`, so they
 generate exactly the same number of tokens. The offline run is one `LLM.generate` call over all prompts
@@ -10,6 +11,11 @@ options) on `/v1/completions` with `stream_options.continuous_usage_stats`, so e
 many tokens it carries. Offline and served runs alternate `--repeat` times and the medians are
 compared, which damps load drift on a shared machine. Client-side TTFT is request start to first
 token; ITL is the gap between chunks divided by the tokens the chunk carries. Prints one table.
+
+`--base-url` measures a server that is already running (any OpenAI-compatible `/v1/completions`, e.g.
+`dsv4 up`'s router) instead: no checkpoint, no offline run, served numbers only. `--request-rate R`
+sends the requests as a Poisson process of R requests/s (exponential gaps, seeded by `--seed`) instead of
+all at once; TTFT is still measured from the moment each request is sent.
 """
 
 from __future__ import annotations
@@ -42,6 +48,24 @@ class Trace:
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in chunk)
     tokens: int = 0
     end: float = 0.0
+    error: str | None = None
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """When each request is sent, in seconds from the start: all at once for an infinite rate, else a
+    Poisson process of `rate` requests/s (exponential gaps), reproducible under `seed`."""
+    if n <= 0:
+        return []
+    if rate == float("inf"):
+        return [0.0] * n
+    if rate <= 0:
+        raise ValueError("--request-rate must be > 0 (or inf)")
+    rng = random.Random(seed)
+    offsets, t = [0.0], 0.0
+    for _ in range(n - 1):
+        t += rng.expovariate(rate)
+        offsets.append(t)
+    return offsets
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -106,9 +130,11 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout: float) -> None:
     raise SystemExit("dsv4 serve did not become healthy")
 
 
-async def one_client(client: httpx.AsyncClient, base: str, prompt: list[int], out_len: int) -> Trace:
+async def one_client(
+    client: httpx.AsyncClient, base: str, prompt: list[int], out_len: int, model: str = "bench"
+) -> Trace:
     body = {
-        "model": "bench",
+        "model": model,
         "prompt": prompt,
         "max_tokens": out_len,
         "temperature": 0,
@@ -124,8 +150,14 @@ async def one_client(client: httpx.AsyncClient, base: str, prompt: list[int], ou
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             now = time.perf_counter()
-            usage = json.loads(line[6:]).get("usage") or {}
-            done = usage.get("completion_tokens", seen)
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or {}
+            # Without continuous usage stats (other servers), a chunk with text counts as one token.
+            texts = [c.get("text") for c in chunk.get("choices") or []]
+            if not texts:  # the closing usage-only chunk: a count, not an arrival
+                seen = max(seen, usage.get("completion_tokens", seen))
+                continue
+            done = usage.get("completion_tokens", seen + (1 if any(texts) else 0))
             if done > seen:
                 trace.first = trace.first or now
                 trace.arrivals.append((now, done - seen))
@@ -134,11 +166,32 @@ async def one_client(client: httpx.AsyncClient, base: str, prompt: list[int], ou
     return trace
 
 
-async def served(base: str, prompts: list[list[int]], out_len: int) -> tuple[float, list[Trace]]:
+async def served(
+    base: str,
+    prompts: list[list[int]],
+    out_len: int,
+    *,
+    model: str = "bench",
+    offsets: list[float] | None = None,
+    keep_going: bool = False,
+) -> tuple[float, list[Trace]]:
+    """Each prompt sent at its offset (default: all at once). With `keep_going`, a failed request is a
+    Trace with `error` set instead of aborting the run."""
     limits = httpx.Limits(max_connections=len(prompts) + 4)
+    offsets = offsets or [0.0] * len(prompts)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         start = time.perf_counter()
-        traces = await asyncio.gather(*(one_client(client, base, p, out_len) for p in prompts))
+
+        async def at(offset: float, prompt: list[int]) -> Trace:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            try:
+                return await one_client(client, base, prompt, out_len, model)
+            except (httpx.HTTPError, json.JSONDecodeError) as e:
+                if not keep_going:
+                    raise
+                return Trace(start=time.perf_counter(), end=time.perf_counter(), error=repr(e))
+
+        traces = await asyncio.gather(*(at(o, p) for o, p in zip(offsets, prompts, strict=True)))
         return time.perf_counter() - start, list(traces)
 
 
@@ -155,6 +208,64 @@ def table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
 
+def latency_rows(traces: list[Trace]) -> list[tuple[str, str]]:
+    ttfts = [t.first - t.start for t in traces if t.first is not None]
+    gaps = itls(traces)
+    return [
+        ("TTFT p50 / p99", f"{percentile(ttfts, 50) * 1000:.1f} / {percentile(ttfts, 99) * 1000:.1f} ms"),
+        ("ITL p50 / p99", f"{percentile(gaps, 50) * 1000:.1f} / {percentile(gaps, 99) * 1000:.1f} ms"),
+    ]
+
+
+def rate_label(rate: float) -> str:
+    return "inf (all at once)" if rate == float("inf") else f"{rate:g}/s, Poisson"
+
+
+def first_model(base: str) -> str:
+    r = httpx.get(f"{base}/v1/models", timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def measure_endpoint(a: argparse.Namespace) -> int:
+    """--base-url: the served half only, against a server someone else started."""
+    base = a.base_url.rstrip("/").removesuffix("/v1")
+    model = a.model or first_model(base)
+    vocab = a.vocab_size
+    if vocab is None and a.checkpoint is not None:
+        vocab = json.loads((a.checkpoint / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(a.clients, a.prompt_len[0], a.prompt_len[1], vocab or 512, a.seed)
+    runs: list[tuple[float, list[Trace]]] = []
+    for i in range(a.repeat):
+        print(f"run {i + 1}/{a.repeat}: {len(prompts)} streaming requests against {base} ...", flush=True)
+        offsets = arrival_offsets(len(prompts), a.request_rate, a.seed + i)
+        runs.append(
+            asyncio.run(served(base, prompts, a.output_len, model=model, offsets=offsets, keep_going=True))
+        )
+    all_traces = [t for _, traces in runs for t in traces]
+    failed = [t for t in all_traces if t.error is not None]
+    tps = [sum(t.tokens for t in traces) / wall for wall, traces in runs]
+    plens = [len(x) for x in prompts]
+    rows = [
+        ("endpoint / model", f"{base} / {model}"),
+        (
+            "requests per run",
+            f"{len(prompts)} (prompt {min(plens)}-{max(plens)} tokens, mean {statistics.mean(plens):.0f}; "
+            f"{a.output_len} output tokens each, greedy, ignore_eos)",
+        ),
+        ("request rate", rate_label(a.request_rate)),
+        ("completed / failed", f"{len(all_traces) - len(failed)} / {len(failed)}"),
+        ("output tokens", str(sum(t.tokens for t in all_traces))),
+        ("served tok/s", " / ".join(f"{x:.1f}" for x in tps) + f"  (median {statistics.median(tps):.1f})"),
+        *latency_rows([t for t in all_traces if t.error is None]),
+    ]
+    print(f"\nendpoint benchmark ({a.repeat} runs)")
+    print(table(rows))
+    for t in failed[:3]:
+        print(f"failed request: {t.error}")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
@@ -168,8 +279,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--work-dir", type=Path, help="where the checkpoint and server log go (default: a temp dir)"
     )
+    p.add_argument(
+        "--base-url",
+        help="measure this running server (e.g. http://127.0.0.1:8000, `dsv4 up`'s router) instead of "
+        "starting one; no offline run",
+    )
+    p.add_argument("--model", help="model name to send with --base-url (default: the first of /v1/models)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        help="random prompt ids are drawn below this with --base-url (default: --checkpoint's config, else 512)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s as a seeded Poisson process (default: inf, every request at once)",
+    )
     a = p.parse_args(argv)
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    if a.base_url:
+        return measure_endpoint(a)
 
     work = a.work_dir or Path(tempfile.mkdtemp(prefix="dsv4-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -200,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run {i + 1}/{a.repeat}: offline LLM.generate over {len(prompts)} prompts ...", flush=True)
             off_wall, off_tokens = offline(llm, prompts, a.output_len)
             print(f"run {i + 1}/{a.repeat}: {a.clients} streaming clients against dsv4 serve ...", flush=True)
-            srv_wall, traces = asyncio.run(served(base, prompts, a.output_len))
+            offsets = arrival_offsets(len(prompts), a.request_rate, a.seed + i)
+            srv_wall, traces = asyncio.run(served(base, prompts, a.output_len, offsets=offsets))
             runs.append((off_wall, off_tokens, srv_wall, traces))
     finally:
         proc.terminate()
@@ -209,11 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     off_tps = [tokens / wall for wall, tokens, _, _ in runs]
     srv_tps = [sum(t.tokens for t in traces) / wall for _, _, wall, traces in runs]
     all_traces = [t for _, _, _, traces in runs for t in traces]
-    ttfts = [t.first - t.start for t in all_traces if t.first is not None]
-    gaps = itls(all_traces)
     ratio = statistics.median(srv_tps) / statistics.median(off_tps)
     plens = [len(x) for x in prompts]
     served_label = f"served, {a.clients}-way streaming"
+    if a.request_rate != float("inf"):  # arrivals spread out: the ratio to offline is no longer the target's
+        served_label = f"served, {a.clients} streaming at {a.request_rate:g}/s"
     rows = [
         ("preset / checkpoint", f"{a.preset} / {ckpt}"),
         (
@@ -229,8 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{served_label} tok/s",
             " / ".join(f"{x:.1f}" for x in srv_tps) + f"  (median {statistics.median(srv_tps):.1f})",
         ),
-        ("TTFT p50 / p99", f"{percentile(ttfts, 50) * 1000:.1f} / {percentile(ttfts, 99) * 1000:.1f} ms"),
-        ("ITL p50 / p99", f"{percentile(gaps, 50) * 1000:.1f} / {percentile(gaps, 99) * 1000:.1f} ms"),
+        *latency_rows(all_traces),
         ("served / offline (medians)", f"{ratio:.2f} (target >= {TARGET_RATIO})"),
     ]
     print(f"\ndsv4 serve benchmark ({a.repeat} alternating runs; server log: {log_path})")

@@ -22,6 +22,6 @@ if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   .venv/bin/pip install -q --upgrade pip
   # The CPU build of torch first, so the engine extra's range is already satisfied.
   .venv/bin/pip install -q "torch==2.13.0"
-  .venv/bin/pip install -q -e '.[engine,operator,test,bench]'
+  .venv/bin/pip install -q -e '.[engine,operator,test,bench,eval]'
   echo "$want" > "$stamp"
 fi
