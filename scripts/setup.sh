@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Mooncake's TCP transport links libibverbs and libnuma even without RDMA hardware.
-apt_pkgs=(libibverbs1 libnuma1 openssl iperf3)
+apt_pkgs=(libibverbs1 libnuma1 openssl iperf3 prometheus)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ((${#missing[@]})); then

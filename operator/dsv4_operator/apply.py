@@ -32,7 +32,12 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
     ("policy/v1", "PodDisruptionBudget"),
+    # Only when spec.monitoring.podMonitor asks; where its CRD is absent, listing it finds nothing (404).
+    ("monitoring.coreos.com/v1", "PodMonitor"),
 )
+# Listed only where this operator may: an older chart's RBAC lacks them (403), which is no reason to
+# stop reconciling what it can (asking for a PodMonitor there reports the apply's 403 as Degraded).
+OPTIONAL_KINDS = frozenset({("monitoring.coreos.com/v1", "PodMonitor")})
 # Older servers lack a version the renderer uses; the fields the operator sets are the same there.
 FALLBACK_VERSIONS = {"policy/v1": "policy/v1beta1"}
 

@@ -142,5 +142,8 @@ async def reconciler(
                     raise kopf.TemporaryError(f"reconcile {meta.namespace}/{meta.name}: {e}", delay=5) from e
             if out.writes:
                 logger.info("applied %s, deleted %s, status %s", out.applied, out.deleted, out.status_written)
+        else:  # a standby's figures would go stale beside the leader's
+            metrics.forget_resource(meta.namespace or "default", meta.name)
         await memo.wakeups.wait(meta.namespace, meta.name, memo.config.resync_seconds, stopped, settle=0.2)
     memo.wakeups.forget(meta.namespace, meta.name)
+    metrics.forget_resource(meta.namespace or "default", meta.name)

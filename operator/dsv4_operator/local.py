@@ -46,6 +46,7 @@ class LocalServer:
     # Prefill: its bootstrap endpoint. Decode: the first prefill's, what a null bootstrap_port means
     # (pods: the spec's port, which every prefill pod has).
     bootstrap_port: int
+    metrics_port: int  # its /metrics-only listener (pods: spec.monitoring.metricsPort each)
     cpus: tuple[int, ...]
 
     @property
@@ -101,6 +102,7 @@ def server_argv(dep: Dsv4Deployment, local: Local, server: LocalServer) -> list[
         host=local.host,
         port=server.port,
         bootstrap_port=server.bootstrap_port,
+        metrics_port=server.metrics_port,
     )
     return [*serve_command(), *args]
 
@@ -146,12 +148,16 @@ def no_proxy(env: Mapping[str, str]) -> str:
 
 def port_slots(dep: Dsv4Deployment) -> dict[str, tuple[int, str]]:
     """Every local port with its spec value and the field it comes from: server i of the cluster
-    (prefill first) takes engine.port + i, prefill i takes bootstrapPort + i."""
+    (prefill first) takes engine.port + i and monitoring.metricsPort + i, prefill i takes
+    bootstrapPort + i."""
     spec, eng = dep.spec, dep.spec.engine
     slots: dict[str, tuple[int, str]] = {}
     names = server_names(dep)
     for i, name in enumerate(names):
         slots[name] = (eng.port + i, f"spec.engine.port + {i} ({name})")
+    metrics = spec.monitoring.metrics_port
+    for i, name in enumerate(names):
+        slots[f"{name}.metrics"] = (metrics + i, f"spec.monitoring.metricsPort + {i} ({name})")
     for i in range(spec.prefill.replicas):
         slots[f"prefill-{i}.bootstrap"] = (eng.bootstrap_port + i, f"spec.engine.bootstrapPort + {i}")
     slots["router"] = (spec.router.port, "spec.router.port")
@@ -272,6 +278,7 @@ def local(
             index=i,
             port=ports[f"{role}-{i}"],
             bootstrap_port=ports[f"prefill-{i}.bootstrap"] if role == "prefill" else first_bootstrap,
+            metrics_port=ports[f"{role}-{i}.metrics"],
             cpus=shares[f"{role}-{i}"],
         )
         for role in SERVER_ROLES

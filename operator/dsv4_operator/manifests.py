@@ -5,7 +5,8 @@ Generation-scoped children carry the deployment fingerprint in their name and th
 `dsv4.ai/fingerprint` label: the engine ConfigMap, per role a headless Service, a StatefulSet
 (prefill, decode) or Deployment (router), and a PodDisruptionBudget. Shared children have neither and
 outlive generations: the router's ServiceAccount, Role and RoleBinding, the endpoint Service (named
-after the resource; it selects the routers of `serving_fingerprint`) and the NetworkPolicy.
+after the resource; it selects the routers of `serving_fingerprint`), the NetworkPolicy and, when
+asked for, the PodMonitor.
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ import yaml
 
 from dsv4_operator.fingerprint import fingerprint_inputs
 from dsv4_operator.plan import (
+    APP,
     L_COMPONENT,
     L_DEPLOYMENT,
     L_FINGERPRINT,
+    L_NAME,
     L_ROLE,
+    POD_MONITOR_API,
+    PORT_METRICS,
     Plan,
     RolePlan,
     common_labels,
@@ -129,7 +134,9 @@ def network_policy(dep: Dsv4Deployment, p: Plan) -> Obj:
     """Servers accept: anything from servers of this deployment (bootstrap, Mooncake transfer and
     collective ports, which Mooncake and HCCL pick at run time; a Mooncake peer can read and write
     registered memory, so nobody else may reach them), and the HTTP port from this deployment's
-    routers. Kubelet probes come from the node and are not subject to it on common CNIs."""
+    routers. When spec.monitoring.scraper is set, that peer reaches the metrics port, and only it
+    (a scraper never reaches the generation or transfer ports). Kubelet probes come from the node and
+    are not subject to it on common CNIs."""
     servers = {
         "matchLabels": {L_DEPLOYMENT: p.name},
         "matchExpressions": [{"key": L_ROLE, "operator": "In", "values": ["decode", "prefill"]}],
@@ -148,9 +155,49 @@ def network_policy(dep: Dsv4Deployment, p: Plan) -> Obj:
                     "from": [{"podSelector": routers}],
                     "ports": [{"protocol": "TCP", "port": dep.spec.engine.port}],
                 },
+                *_scraper_rule(dep),
             ],
         },
     }
+
+
+def _scraper_rule(dep: Dsv4Deployment) -> list[Obj]:
+    mon = dep.spec.monitoring
+    if mon.scraper is None:
+        return []
+    peer = mon.scraper.model_dump(by_alias=True, exclude_none=True, mode="json")
+    return [{"from": [peer], "ports": [{"protocol": "TCP", "port": mon.metrics_port}]}]
+
+
+def pod_monitor(dep: Dsv4Deployment, p: Plan) -> Obj:
+    """A Prometheus Operator PodMonitor scraping the servers' and the routers' `metrics` ports, every
+    generation's (the generation shows in the dsv4_fingerprint label), each series labelled with the
+    deployment and the role."""
+    spec = dep.spec.monitoring.pod_monitor
+    endpoint: Obj = {"port": PORT_METRICS, "path": "/metrics"}
+    if spec.interval:
+        endpoint["interval"] = spec.interval
+    relabel = [
+        {"sourceLabels": [f"__meta_kubernetes_pod_label_{_sanitise(k)}"], "targetLabel": target}
+        for k, target in ((L_DEPLOYMENT, "dsv4_deployment"), (L_ROLE, "dsv4_role"),
+                          (L_FINGERPRINT, "dsv4_fingerprint"))
+    ]  # fmt: skip
+    endpoint["relabelings"] = relabel
+    labels = dict(spec.labels or {}) | common_labels(p.name)  # ours win: pruning lists by them
+    return {
+        "apiVersion": POD_MONITOR_API,
+        "kind": "PodMonitor",
+        "metadata": _meta(p, p.name, labels),
+        "spec": {
+            "selector": {"matchLabels": {L_NAME: APP, L_DEPLOYMENT: p.name}},
+            "podMetricsEndpoints": [endpoint],
+        },
+    }
+
+
+def _sanitise(label: str) -> str:
+    """A pod label's name in Prometheus' Kubernetes discovery meta labels."""
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in label)
 
 
 def render_plan(dep: Dsv4Deployment, p: Plan) -> list[Obj]:
@@ -164,6 +211,8 @@ def render_plan(dep: Dsv4Deployment, p: Plan) -> list[Obj]:
     objs += [pdb(p, rp) for rp in (p.prefill, p.decode, p.router)]
     if dep.spec.network_policy.enabled:
         objs.append(network_policy(dep, p))
+    if dep.spec.monitoring.pod_monitor.enabled:
+        objs.append(pod_monitor(dep, p))
     # The plan's label and selector dicts appear in several children; callers adopt and patch each
     # child, so every object must own all of its parts.
     return [copy.deepcopy(o) for o in objs]

@@ -1,12 +1,15 @@
-"""The operator's own Prometheus metrics: reconciles (count, duration, errors) and API writes."""
+"""The operator's own Prometheus metrics: reconciles (count, duration, errors), API writes, and per
+Dsv4Deployment its conditions and each role's desired and ready replicas (of the serving generation),
+which the alert rules read (charts/dsv4-operator/files/alerts.yaml)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 REGISTRY = CollectorRegistry()
 RECONCILES = Counter(
@@ -28,6 +31,62 @@ WRITES = Counter(
     ["verb", "kind"],
     registry=REGISTRY,
 )
+
+
+CONDITION = Gauge(
+    "dsv4_operator_resource_condition",
+    "1 while a condition (Ready, Progressing, Degraded) of a Dsv4Deployment is True, else 0.",
+    ["dsv4_namespace", "dsv4_deployment", "type"],
+    registry=REGISTRY,
+)
+ROLE_REPLICAS = Gauge(
+    "dsv4_operator_role_replicas",
+    "Desired replicas of each role of a Dsv4Deployment's serving generation.",
+    ["dsv4_namespace", "dsv4_deployment", "role"],
+    registry=REGISTRY,
+)
+ROLE_READY = Gauge(
+    "dsv4_operator_role_ready_replicas",
+    "Ready replicas of each role of a Dsv4Deployment's serving generation.",
+    ["dsv4_namespace", "dsv4_deployment", "role"],
+    registry=REGISTRY,
+)
+# Not `namespace`: a scrape's own target label of that name would rename it (exported_namespace).
+# dsv4_deployment is also what the PodMonitor labels the servers' series with.
+_RECORDED: dict[tuple[str, str], tuple[set[str], set[str]]] = {}  # (ns, name) -> (types, roles)
+
+
+def record_resource(
+    namespace: str,
+    name: str,
+    conditions: Iterable[Mapping[str, Any]],
+    replicas: Mapping[str, int],
+    ready: Mapping[str, int],
+) -> None:
+    """The resource's conditions and its serving generation's roles, as last reconciled; series of
+    roles that left are removed."""
+    types, roles = _RECORDED.setdefault((namespace, name), (set(), set()))
+    for c in conditions:
+        CONDITION.labels(namespace, name, c["type"]).set(1 if c["status"] == "True" else 0)
+        types.add(c["type"])
+    for role in roles - set(replicas):
+        ROLE_REPLICAS.remove(namespace, name, role)
+        ROLE_READY.remove(namespace, name, role)
+    roles.clear()
+    for role, n in replicas.items():
+        ROLE_REPLICAS.labels(namespace, name, role).set(n)
+        ROLE_READY.labels(namespace, name, role).set(ready.get(role, 0))
+        roles.add(role)
+
+
+def forget_resource(namespace: str, name: str) -> None:
+    """Remove a resource's series (deleted, or this replica stopped leading)."""
+    types, roles = _RECORDED.pop((namespace, name), (set(), set()))
+    for t in types:
+        CONDITION.remove(namespace, name, t)
+    for role in roles:
+        ROLE_REPLICAS.remove(namespace, name, role)
+        ROLE_READY.remove(namespace, name, role)
 
 
 def count_write(verb: str, kind: str) -> None:

@@ -26,6 +26,11 @@ L_DEPLOYMENT = "dsv4.ai/deployment"
 L_ROLE = "dsv4.ai/role"
 L_FINGERPRINT = "dsv4.ai/fingerprint"
 A_BOOTSTRAP_PORT = "sglang.ai/bootstrap-port"  # read by sglang-router 0.3.2 (hard-coded there)
+# Container port names: probes, Services, the NetworkPolicy and the PodMonitor refer to them.
+PORT_HTTP = "http"
+PORT_BOOTSTRAP = "bootstrap"
+PORT_METRICS = "metrics"  # /metrics alone: servers' --metrics-port, the router's --prometheus-port
+POD_MONITOR_API = "monitoring.coreos.com/v1"  # Prometheus Operator; its CRDs may be absent
 APP = "dsv4"
 MANAGER = "dsv4-operator"
 
@@ -105,6 +110,7 @@ def serve_args(
     host: str,
     port: int,
     bootstrap_port: int,
+    metrics_port: int,
 ) -> list[str]:
     """Arguments of `dsv4 serve` for one server of `role` (flag names: the engine's contract)."""
     eng, rs = dep.spec.engine, getattr(dep.spec, role)
@@ -128,6 +134,8 @@ def serve_args(
         # Prefill: its bootstrap endpoint. Decode: what a request's null bootstrap_port means (the
         # router sends null when it has no port for the prefill), so both roles carry it.
         "--bootstrap-port", str(bootstrap_port),
+        # A second listener serving only /metrics: scrapers reach it, never the generation port.
+        "--metrics-port", str(metrics_port),
     ]  # fmt: skip
     return args
 
@@ -191,10 +199,14 @@ def plan(
     roles: dict[Role, RolePlan] = {}
     for role in ("prefill", "decode"):
         sel = role_selector(name, role, fp)
-        ports = {"http": eng.port} | ({"bootstrap": eng.bootstrap_port} if role == "prefill" else {})
+        metrics = spec.monitoring.metrics_port
+        ports = {PORT_HTTP: eng.port}
+        ports |= {PORT_BOOTSTRAP: eng.bootstrap_port} if role == "prefill" else {}
+        ports |= {PORT_METRICS: metrics}
         args = serve_args(
-            dep, role, model=path, host="0.0.0.0", port=eng.port, bootstrap_port=eng.bootstrap_port
-        )
+            dep, role, model=path, host="0.0.0.0", port=eng.port, bootstrap_port=eng.bootstrap_port,
+            metrics_port=metrics,
+        )  # fmt: skip
         roles[role] = RolePlan(
             role=role,
             name=f"{name}-{role}-{fp}",
@@ -220,7 +232,7 @@ def plan(
         replicas=spec.router.replicas,
         selector=r_sel,
         labels=common_labels(name) | {L_COMPONENT: "router"} | r_sel,
-        ports={"http": spec.router.port, "metrics": spec.router.metrics_port},
+        ports={PORT_HTTP: spec.router.port, PORT_METRICS: spec.router.metrics_port},
         command=ROUTER_COMMAND,
         args=tuple(
             router_args(

@@ -15,6 +15,7 @@ from typing import Any
 import kopf
 
 from . import apply as ap
+from . import metrics
 from . import status as st
 from .kube import Api, ApiError
 
@@ -66,8 +67,17 @@ async def served_version(api: Api, api_version: str) -> str:
 async def read_live(api: Api, namespace: str, name: str) -> tuple[list[Obj], list[Obj]]:
     labels = {ap.LABEL_DEPLOYMENT: name}
     kinds = [(await served_version(api, v), k) for v, k in ap.CHILD_KINDS]
+
+    async def listed(api_version: str, kind: str) -> list[Obj]:
+        try:
+            return await api.list(api_version, kind, namespace, labels)
+        except ApiError as e:
+            if e.status == 403 and (api_version, kind) in ap.OPTIONAL_KINDS:
+                return []
+            raise
+
     lists = await asyncio.gather(
-        *(api.list(v, k, namespace, labels) for v, k in kinds),
+        *(listed(v, k) for v, k in kinds),
         api.list("v1", "Pod", namespace, labels),
     )
     children = [o for group in lists[:-1] for o in group]
@@ -161,6 +171,13 @@ async def _write_status(
     new = st.build(
         generation=body["metadata"].get("generation"), objs=live, pods=pods,
         current=current, serving=serving, service=endpoint, old=old, error=out.error,
+    )  # fmt: skip
+    meta = body["metadata"]
+    have = st.roles(live, serving) if serving else {}
+    metrics.record_resource(
+        meta.get("namespace", "default"), meta["name"], new["conditions"],
+        replicas=st.desired_replicas(live, serving) if serving else {},
+        ready={r: v["readyReplicas"] for r, v in have.items()},
     )  # fmt: skip
     if st.differs(new, old):
         await api.patch_status(body, st.patch(new, old))

@@ -7,7 +7,15 @@ returns (field path, reason) and the reason says what to change.
 
 from __future__ import annotations
 
-from dsv4_operator.spec_types import MAX_NPUS_PER_NODE, Dsv4Deployment, RoleSpec, Toleration
+from pydantic.alias_generators import to_camel
+
+from dsv4_operator.spec_types import (
+    MAX_NPUS_PER_NODE,
+    Dsv4Deployment,
+    LabelSelector,
+    RoleSpec,
+    Toleration,
+)
 
 # Environment variables the rendered pods set themselves; a user value would silently lose.
 RESERVED_ENV = (
@@ -87,6 +95,18 @@ def check(dep: Dsv4Deployment) -> Problems:
         out.append(("spec.router.metricsPort", f"must differ from router.port ({router.port})"))
     out += _tolerations("spec.router", router.tolerations)
 
+    mon = spec.monitoring
+    for other, field in ((eng.port, "engine.port"), (eng.bootstrap_port, "engine.bootstrapPort")):
+        if mon.metrics_port == other:
+            out.append(("spec.monitoring.metricsPort", f"must differ from {field} ({other})"))
+    if mon.scraper is not None:
+        if mon.scraper.namespace_selector is None and mon.scraper.pod_selector is None:
+            out.append(
+                ("spec.monitoring.scraper", "set namespaceSelector, podSelector or both (who may scrape)")
+            )
+        for name in ("namespace_selector", "pod_selector"):
+            out += _selector(f"spec.monitoring.scraper.{to_camel(name)}", getattr(mon.scraper, name))
+
     if spec.service.node_port is not None and spec.service.type == "ClusterIP":
         out.append(("spec.service.nodePort", "only a NodePort or LoadBalancer service takes a nodePort"))
     if spec.pod_annotations and BOOTSTRAP_ANNOTATION in spec.pod_annotations:
@@ -142,6 +162,16 @@ def _role(path: str, role: RoleSpec, device: str) -> Problems:
                 )
             )
     return out + _tolerations(path, role.tolerations)
+
+
+def _selector(path: str, selector: LabelSelector | None) -> Problems:
+    out: Problems = []
+    for i, req in enumerate((selector.match_expressions if selector else None) or []):
+        wants_values = req.operator in ("In", "NotIn")
+        if wants_values != bool(req.values):
+            need = "needs values" if wants_values else "takes no values"
+            out.append((f"{path}.matchExpressions[{i}].values", f"operator {req.operator} {need}"))
+    return out
 
 
 def _tolerations(path: str, tolerations: list[Toleration] | None) -> Problems:

@@ -40,6 +40,8 @@ MODEL_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
 IFNAME_RE = r"^[\^=]{0,2}[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$"
 IMAGE_RE = r"^[^\s]+$"
 LABEL_VALUE_RE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+LABEL_KEY_RE = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+DURATION_RE = r"^(0|([0-9]+(ms|s|m|h))+)$"  # Prometheus' duration (a scrape interval)
 
 # Largest number of NPUs one node holds (Atlas 800 A3: 16 dies). A server that needs more spans nodes.
 MAX_NPUS_PER_NODE = 16
@@ -200,6 +202,43 @@ class NetworkPolicySpec(_Model):
     enabled: bool = True
 
 
+LabelKey = Annotated[str, Field(pattern=LABEL_KEY_RE, max_length=316)]
+LabelValue = Annotated[str, Field(pattern=LABEL_VALUE_RE, max_length=63)]
+
+
+class LabelSelectorRequirement(_Model):
+    key: LabelKey
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: Annotated[list[LabelValue], Field(max_length=64)] | None = None
+
+
+class LabelSelector(_Model):
+    """A meta/v1 LabelSelector (an empty one selects everything)."""
+
+    match_labels: Annotated[dict[str, LabelValue], Field(max_length=64)] | None = None
+    match_expressions: Annotated[list[LabelSelectorRequirement], Field(max_length=64)] | None = None
+
+
+class ScraperSpec(_Model):
+    """Who may scrape: a networking/v1 NetworkPolicyPeer (pods of the selected namespaces, or pods of
+    this namespace, or the selected pods of the selected namespaces)."""
+
+    namespace_selector: LabelSelector | None = None
+    pod_selector: LabelSelector | None = None
+
+
+class PodMonitorSpec(_Model):
+    enabled: bool = False
+    labels: Annotated[dict[str, LabelValue], Field(max_length=64)] | None = None
+    interval: Annotated[str, Field(pattern=DURATION_RE, max_length=32)] | None = None
+
+
+class MonitoringSpec(_Model):
+    metrics_port: Port = 29100
+    scraper: ScraperSpec | None = None
+    pod_monitor: PodMonitorSpec = Field(default_factory=PodMonitorSpec)
+
+
 class LocalObjectReference(_Model):
     name: Name
 
@@ -220,6 +259,7 @@ class Dsv4DeploymentSpec(_Model):
     probes: ProbesSpec = Field(default_factory=ProbesSpec)
     pod_security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     pod_annotations: Annotated[StrMap, Field(max_length=64)] | None = None
 
 

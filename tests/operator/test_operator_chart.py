@@ -54,6 +54,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "resyncSeconds": 120,
         "webhook": {"enabled": True, "port": 10443, "secretName": "dsv4-tls", "configurationName": "admission.example.com"},
         "metrics": {"port": 9191, "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}, "interval": "30s", "scrapeTimeout": "10s"}},
+        "monitoring": {"prometheusRule": {"enabled": True, "labels": {"release": "kps"}},
+                       "grafanaDashboard": {"enabled": True, "labels": {"team": "llm"}, "annotations": {"grafana_folder": "LLM"}}},
         "liveness": {"port": 8181},
         "serviceAccount": {"create": True, "name": "dsv4-ctl", "annotations": {"iam.example.com/role": "dsv4"}},
         "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
@@ -257,7 +259,8 @@ def test_rendered_manifests_are_valid_and_named_by_the_release(
     for obj in objs:
         meta, kind = obj["metadata"], obj["kind"]
         if obj["apiVersion"].startswith("monitoring.coreos.com/"):
-            assert kind == "ServiceMonitor"  # not a built-in kind: checked in test_service_monitor
+            # not built-in kinds: checked in test_service_monitor and test_prometheus_rule_and_dashboard
+            assert kind in ("ServiceMonitor", "PrometheusRule")
         else:
             for version in K8S_VERSIONS:
                 kubernetes_validate.validate(obj, version, strict=True)
@@ -457,6 +460,24 @@ def test_service_monitor(helm: str, tmp_path: pathlib.Path) -> None:
     assert selected == ["rel-dsv4-operator-metrics"]
     port = one(objs, "Service", "rel-dsv4-operator-metrics")["spec"]["ports"][0]
     assert (port["name"], port["port"]) == ("metrics", 9191)
+
+
+def test_prometheus_rule_and_dashboard(helm: str, tmp_path: pathlib.Path) -> None:
+    """Off by default; on, the PrometheusRule is files/alerts.yaml (what promtool tests) and the
+    dashboard ConfigMap holds files/dashboard.json, labelled for Grafana's sidecar."""
+    assert not [o for o in template(helm) if o["kind"] in ("PrometheusRule", "ConfigMap")]
+    objs = render(helm, tmp_path, VALUE_SETS["everything"])
+    rule = one(objs, "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    cm = one(objs, "ConfigMap", "rel-dsv4-operator-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["labels"]["team"] == "llm"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    assert json.loads(cm["data"]["dsv4.json"]) == json.loads((CHART / "files" / "dashboard.json").read_text())
+    elsewhere = template(helm, "--set", "monitoring.grafanaDashboard.enabled=true",
+                         "--set", "monitoring.grafanaDashboard.namespace=grafana")  # fmt: skip
+    assert one(elsewhere, "ConfigMap", "rel-dsv4-operator-dashboard")["metadata"]["namespace"] == "grafana"
+    assert not [o for o in elsewhere if o["kind"] == "PrometheusRule"]
 
 
 @pytest.mark.parametrize("flag", ["true", "false"])

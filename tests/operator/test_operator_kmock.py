@@ -242,6 +242,15 @@ async def test_children_are_applied_owned_and_reported(emulator: Any, operator: 
     assert status["decode"]["readyReplicas"] == 1
     assert condition(emulator, "Progressing")["reason"] == "Complete"
     assert metrics.RECONCILES.labels(result="ok")._value.get() > 0
+    # What the alert rules read: the conditions and the serving generation's ready replicas.
+    gauge = metrics.REGISTRY.get_sample_value
+    mine = {"dsv4_namespace": NS, "dsv4_deployment": NAME}
+    await eventually(lambda: gauge("dsv4_operator_resource_condition", {**mine, "type": "Ready"}) == 1)
+    assert gauge("dsv4_operator_resource_condition", {**mine, "type": "Degraded"}) == 0
+    for role in ("prefill", "decode", "router"):
+        labels = {**mine, "role": role}
+        assert gauge("dsv4_operator_role_replicas", labels) == 1
+        assert gauge("dsv4_operator_role_ready_replicas", labels) == 1
 
 
 async def test_a_resync_that_changes_nothing_writes_nothing(
@@ -296,6 +305,10 @@ async def test_nothing_is_created_while_the_resource_is_deleted(
         )
 
     await eventually(released, what="the reconcile loop to stop")
+    # A deleted resource leaves no series behind.
+    labels = {"dsv4_namespace": NS, "dsv4_deployment": NAME, "type": "Ready"}
+    gauge = metrics.REGISTRY.get_sample_value
+    await eventually(lambda: gauge("dsv4_operator_resource_condition", labels) is None)
     assert ("StatefulSet", sts["metadata"]["name"]) not in children(emulator)
     assert write_paths(writes(emulator, before)) == [
         f"PATCH /apis/dsv4.ai/v1alpha1/namespaces/{NS}/dsv4deployments/{NAME}"
@@ -378,3 +391,34 @@ async def test_rejected_child_is_reported_as_degraded(emulator: Any, operator: k
     )
     assert message in condition(emulator, "Degraded")["message"]
     assert "StatefulSet/" in condition(emulator, "Degraded")["message"]
+    labels = {"dsv4_namespace": NS, "dsv4_deployment": NAME, "type": "Degraded"}
+    assert metrics.REGISTRY.get_sample_value("dsv4_operator_resource_condition", labels) == 1
+
+
+async def test_an_rbac_without_pod_monitors_still_reconciles(
+    emulator: Any, operator: kopf.Memo, api: Api
+) -> None:
+    # An older chart's ClusterRole: listing PodMonitors is forbidden; everything else goes on.
+    emulator["get", emulator.resource("monitoring.coreos.com", "v1", "podmonitors")] << 403 << {
+        "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+        "message": "podmonitors.monitoring.coreos.com is forbidden",
+    }  # fmt: skip
+    body = resource()
+    await api.create(body)
+    await converged(api, emulator, body)
+    assert condition(emulator, "Degraded").get("status") == "False"
+
+
+async def test_pod_monitor_follows_the_spec(emulator: Any, operator: kopf.Memo, api: Api) -> None:
+    body = resource(monitoring={"podMonitor": {"enabled": True, "labels": {"release": "kps"}}})
+    await api.create(body)
+    await eventually(lambda: ("PodMonitor", NAME) in children(emulator), what="PodMonitor applied")
+    pm = children(emulator)[("PodMonitor", NAME)]
+    assert pm["metadata"]["labels"]["release"] == "kps"
+    assert pm["metadata"]["ownerReferences"][0]["name"] == NAME
+    cr = stored(emulator, "Dsv4Deployment", NAME)
+    await api._call("PATCH", f"/apis/dsv4.ai/v1alpha1/namespaces/{NS}/dsv4deployments/{NAME}",
+                    body={"spec": {**cr["spec"], "monitoring": {"podMonitor": {"enabled": False}}}},
+                    content_type="application/merge-patch+json")  # fmt: skip
+    await eventually(lambda: ("PodMonitor", NAME) not in children(emulator), what="PodMonitor pruned")
+    assert ("NetworkPolicy", f"{NAME}-workers") in children(emulator)

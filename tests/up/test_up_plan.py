@@ -23,7 +23,7 @@ from dsv4_operator.spec import Dsv4Deployment, parse
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 # The flags whose values differ locally, each replaced by a placeholder before comparing.
-SERVER_LOCAL = {"--host", "--port", "--bootstrap-port", "--model"}
+SERVER_LOCAL = {"--host", "--port", "--bootstrap-port", "--metrics-port", "--model"}
 ROUTER_LOCAL = {"--host", "--port", "--prometheus-host", "--prometheus-port", "--tokenizer-path", "--api-key"}
 POD_DISCOVERY = {
     "--service-discovery",
@@ -96,6 +96,7 @@ def test_local_processes_get_the_pods_arguments(path: Path, api_key: bool) -> No
         values = dict((g[0], g[1:]) for g in groups(mine))
         assert values["--host"] == [lc.HOST] and values["--model"] == ["/here/model"]
         assert values["--port"] == [str(server.port)]
+        assert values["--metrics-port"] == [str(server.metrics_port)] != values["--port"]
     pod = container(objs, "Deployment", "router")
     assert pod["command"] == list(ROUTER_COMMAND)
     argv = lc.router_argv(dep, lo)
@@ -130,11 +131,14 @@ def test_ports_follow_the_spec_offset_per_server() -> None:
     slots = {name: port for name, (port, _) in lc.port_slots(dep).items()}
     assert slots == {
         "prefill-0": 30000, "prefill-1": 30001, "decode-0": 30002, "decode-1": 30003,
+        "prefill-0.metrics": 29100, "prefill-1.metrics": 29101,
+        "decode-0.metrics": 29102, "decode-1.metrics": 29103,
         "prefill-0.bootstrap": 8998, "prefill-1.bootstrap": 8999,
         "router": 8000, "router.metrics": 29000,
     }  # fmt: skip
     lo = lc.local(dep, model="/m", ports=slots, cpus=[0], env={})
     assert [s.bootstrap_port for s in lo.servers] == [8998, 8999, 8998, 8998]  # decode: the first prefill's
+    assert [s.metrics_port for s in lo.servers] == [29100, 29101, 29102, 29103]
     free = lc.free_ports(dep)
     assert free.keys() == slots.keys() and len(set(free.values())) == len(free)
 

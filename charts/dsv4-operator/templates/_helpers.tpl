@@ -111,6 +111,9 @@ cluster-scoped, so per release; a DNS subdomain, hence dots between fullname and
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors]                   # spec.monitoring.podMonitor (a 404 where its CRD is absent)
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]                          # read for status; also what the router Role grants
   verbs: [get, list, watch]

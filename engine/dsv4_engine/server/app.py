@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
@@ -108,6 +110,58 @@ async def _start_serving(
         log.info("ready to serve %s after %.1fs", ctx.model_name, time.monotonic() - started)
 
 
+def metrics_app(render: Callable[[], Response]) -> FastAPI:
+    """The --metrics-port listener's app: GET /metrics and nothing else (404 for every other path),
+    without the API key, so a NetworkPolicy can let a scraper in without opening the API to it."""
+    app = FastAPI(title="dsv4-metrics", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return render()
+
+    return app
+
+
+class SideServer(uvicorn.Server):
+    """uvicorn on the API server's loop; signals stay with the API server, which stops both."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        pass
+
+
+async def serve_side_app(app: FastAPI, host: str, port: int) -> SideServer:
+    """Start `app` on host:port on this loop; returns once it listens (a bind error raises here)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            lifespan="off", log_config=None)  # fmt: skip
+    server = SideServer(config)
+    # Bound here: uvicorn answers a bind error with SystemExit, which asyncio lets out of the loop.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+            raise OSError(f"listener on {host}:{port} stopped before it started")
+        await asyncio.sleep(0.01)
+    server.task = task  # type: ignore[attr-defined]
+    return server
+
+
+async def stop_side_app(server: SideServer) -> None:
+    server.should_exit = True
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await server.task  # type: ignore[attr-defined]
+
+
 def create_app(
     settings: ServerSettings,
     engine_factory: EngineFactory | None = None,
@@ -117,13 +171,25 @@ def create_app(
     ctx = ServerContext(settings)
     factory = engine_factory or default_engine_factory(settings)
 
+    def render_metrics() -> Response:
+        if ctx.pd is not None:
+            for queue, depth in ctx.pd.depths().items():
+                ctx.metrics.pd_queue.labels(queue).set(depth)
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        side = None
+        if settings.metrics_port is not None:  # bound before the engine loads: scrapes see it load
+            side = await serve_side_app(metrics_app(render_metrics), settings.host, settings.metrics_port)
         loader = asyncio.create_task(_start_serving(ctx, factory, on_fatal))
         app.state.loader = loader
+        app.state.metrics_server = side
         try:
             yield
         finally:
+            if side is not None:
+                await stop_side_app(side)
             loader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await loader
@@ -153,10 +219,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if ctx.pd is not None:
-            for queue, depth in ctx.pd.depths().items():
-                ctx.metrics.pd_queue.labels(queue).set(depth)
-        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+        return render_metrics()
 
     def _model_card() -> dict[str, Any]:
         return {

@@ -58,6 +58,7 @@ class ServerSettings:
     grace_period: float = 25.0
     disaggregation_mode: str = "null"
     bootstrap_port: int | None = None
+    metrics_port: int | None = None
     transfer_protocol: str = "tcp"
     bootstrap_timeout: float = 300.0
     waiting_timeout: float = 300.0
@@ -158,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="name clients pass as `model` (default: the --model value)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 in a pod)")
     p.add_argument("--port", type=int, default=30000, help="HTTP port")
+    p.add_argument(
+        "--metrics-port",
+        type=_positive(int),
+        help="also serve /metrics (and nothing else) on this port, so a scraper can be let in without "
+        "reaching the API (default: /metrics on --port only, as always)",
+    )
     p.add_argument("--dtype", default="auto", help="weights dtype; auto: float32 on CPU, bfloat16 otherwise")
     p.add_argument(
         "--device",
@@ -329,6 +336,11 @@ def parse(argv: list[str]) -> ServerSettings:
     values["api_key"] = values["api_key"] or os.environ.get(API_KEY_ENV) or None
     if values["grace_period"] < 0:
         build_parser().error("--grace-period must be >= 0")
+    if values["metrics_port"] is not None and values["metrics_port"] in (
+        values["port"],
+        values["bootstrap_port"],
+    ):
+        build_parser().error("--metrics-port must differ from --port and --bootstrap-port")
     return ServerSettings(**values)
 
 
