@@ -336,26 +336,41 @@ def test_write_to_a_killed_peer_raises(sender: MooncakeTransport, source: Source
 def test_write_to_a_hung_peer_times_out_without_holding_the_gil(
     sender: MooncakeTransport, source: Source, receiver: Receiver
 ) -> None:
+    """The write to a stopped peer ends with TransferError (Mooncake's 5 s MC_TRANSFER_TIMEOUT), and
+    while it blocks another Python thread runs. Without timing: with the switch interval raised,
+    the ticker below can take the GIL from the writer only if the write itself releases it, so a
+    tick between the writer's two reads happened during the write."""
     one = Entries.one(source.ptr, receiver.ptr, 256 << 10)
     sender.write(receiver.session, one)
     receiver.proc.send_signal(signal.SIGSTOP)  # alive, connected, never acknowledges: the timeout's case
-    started, errors = threading.Event(), []
+    ticks, done, errors, seen = [0], threading.Event(), [], []
+
+    def ticker() -> None:
+        while not done.wait(0.01):  # the wait releases the GIL; the tick needs it
+            ticks[0] += 1
 
     def write() -> None:
-        started.set()
+        before = ticks[0]
         try:
             sender.write(receiver.session, one)
         except TransferError as e:
             errors.append(e)
+        seen.append(ticks[0] - before)
+        done.set()
 
-    writer = threading.Thread(target=write)
-    writer.start()
-    started.wait()
-    # This thread runs Python while the write blocks: Mooncake released the GIL (the write cannot
-    # finish before the 5 s MC_TRANSFER_TIMEOUT, and until then only a released GIL lets us get here).
-    assert sum(range(1000)) == 499500 and writer.is_alive()
-    writer.join(timeout=50)
-    assert not writer.is_alive() and len(errors) == 1, errors
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)  # no forced GIL hand-over: only blocking calls let others run
+    try:
+        threads = [threading.Thread(target=ticker), threading.Thread(target=write)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+        done.set()
+    assert not any(t.is_alive() for t in threads) and len(errors) == 1, errors
+    assert seen and seen[0] > 0, "the ticker never ran during the write: the GIL was held"
 
 
 def test_close_is_idempotent_and_a_closed_transport_refuses_writes() -> None:
