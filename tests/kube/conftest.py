@@ -117,8 +117,9 @@ class Cluster:
     def audit_offset(self) -> int:
         return self.audit_log.stat().st_size
 
-    def writes_since(self, offset: int, user: str = OPERATOR_USER) -> list[str]:
-        """`verb resource/name` of every write `user` sent after `offset` (bytes into the audit log)."""
+    def writes_since(self, offset: int, user: str = OPERATOR_USER, namespace: str | None = None) -> list[str]:
+        """`verb resource/name` of every write `user` sent after `offset` (bytes into the audit log),
+        only those into `namespace` when given."""
         with self.audit_log.open() as f:
             f.seek(offset)
             events = [json.loads(line) for line in f if line.strip()]
@@ -131,6 +132,8 @@ class Cluster:
                 "delete",
             }:
                 ref = e.get("objectRef", {})
+                if namespace is not None and ref.get("namespace") != namespace:
+                    continue
                 sub = f"/{ref['subresource']}" if ref.get("subresource") else ""
                 out.append(f"{e['verb']} {ref.get('resource')}{sub}/{ref.get('name', '')}")
         return out
@@ -221,11 +224,17 @@ def run_cluster(d: pathlib.Path) -> Iterator[Cluster]:
                 f"--secure-port={kcm_port}"], d / "controller-manager.log", procs)  # fmt: skip
         c = Cluster(d, server, kubeconfig, operator_kubeconfig, audit_log, bins["kubectl"])
         c.kubectl("apply", "-f", "-", input=crd_yaml(cel=False))
-        c.kubectl("wait", "--for=condition=Established", "--timeout=30s", "crd/dsv4deployments.dsv4.ai")
+        # Polled, not `kubectl wait`: that errors out at once while the CRD has no status yet.
+        wait_until(lambda: _established(c), 60, "the CRD to be Established")
         c.kubectl("create", "namespace", "dsv4-system")
         yield c
     finally:
         _stop(procs)
+
+
+def _established(c: Cluster) -> bool:
+    conditions = (c.get("crd/dsv4deployments.dsv4.ai").get("status") or {}).get("conditions") or []
+    return any(x.get("type") == "Established" and x.get("status") == "True" for x in conditions)
 
 
 @pytest.fixture(scope="session")
