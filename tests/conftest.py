@@ -4,8 +4,9 @@ tests must not pull in torch)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,3 +34,18 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             name: make_tiny(root / name, seed=i, overrides=o)
             for i, (name, o) in enumerate(PARITY_CONFIGS.items())
         }
+
+
+@pytest.fixture(scope="session")
+def hf_models(checkpoints: dict[str, Path]) -> Callable[[str], Any]:
+    """HF transformers' DeepseekV4ForCausalLM of a parity checkpoint, loaded once per session."""
+    from dsv4_engine.testing import load_hf
+
+    cache: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in cache:
+            cache[name] = load_hf(checkpoints[name])
+        return cache[name]
+
+    return get

@@ -19,21 +19,23 @@ from pathlib import Path
 
 import torch
 
+from dsv4_engine import grammar
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.device import keep_freed_host_memory
 from dsv4_engine.engine_config import DEFAULT_MAX_NUM_SEQS, DEFAULT_PAGE_SIZE, EngineConfig
 from dsv4_engine.memory import (
     Dsv4MemoryLayout,
     OutOfPages,
-    PagedMemory,
     PoolSizes,
     StateType,
     dsv4_state_payloads,
 )
 from dsv4_engine.memory.sizing import fixed_pool_sizes, plan_pool_sizes, pool_bytes, table_bytes
 from dsv4_engine.memory.state_tail import cdiv
-from dsv4_engine.model import Dsv4ForCausalLM
-from dsv4_engine.model_runner import ModelRunner
+from dsv4_engine.parallel.groups import SINGLE, init_groups, rank_device
+from dsv4_engine.parallel.groups import prewarm as prewarm_groups
+from dsv4_engine.parallel.shard import check_sizes
+from dsv4_engine.ranks import StepBroadcast, Workers, build_rank, load_model, share_sizes, threads_per_rank
 from dsv4_engine.sampler import TokenLogprobs
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.scheduler import Scheduler, SchedulerOutput, Sequence
@@ -51,17 +53,6 @@ class StepOutput:
     # prompt's, entry i for prompt token i (None for the first, which nothing predicts).
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-
-
-def load_model(
-    model_path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int
-) -> Dsv4ForCausalLM:
-    from dsv4_engine.loader import load_checkpoint
-
-    config = Dsv4Config.from_pretrained(model_path)
-    model = Dsv4ForCausalLM(config, max_positions=max_positions).cast(dtype)
-    load_checkpoint(model, model_path, dtype=None)
-    return model.to(device).eval()
 
 
 def available_memory(device: torch.device) -> int:
@@ -90,7 +81,10 @@ def plan_sizes(layout: Dsv4MemoryLayout, cfg: EngineConfig) -> PoolSizes:
     if budget is None:
         most = fixed_pool_sizes(layout, cfg.max_num_seqs * cdiv(cfg.max_model_len, layout.page_size), **kw)
         wanted = pool_bytes(layout, most) + table_bytes(cfg.max_num_seqs, cfg.max_model_len)
-        budget = min(wanted, int(cfg.memory_fraction * available_memory(cfg.device)))
+        share = cfg.memory_fraction * available_memory(cfg.device)
+        if cfg.device.type == "cpu":  # every rank holds pools this size, all in the one host's memory
+            share /= cfg.tp_size
+        budget = min(wanted, int(share))
     return plan_pool_sizes(layout, budget, max_ctx=cfg.max_model_len, **kw)
 
 
@@ -112,6 +106,7 @@ class LLMEngine:
         tp_size: int = 1,
         ep_size: int = 1,
         kernels: bool | None = None,
+        prewarm: bool = True,
         tokenizer: object | None = None,
         **kwargs: object,
     ) -> None:
@@ -134,24 +129,50 @@ class LLMEngine:
             tp_size=tp_size,
             ep_size=ep_size,
             kernels=kernels,
+            prewarm=prewarm,
         )
         if cfg.device.type == "cpu":
             keep_freed_host_memory()  # page faults on reused temporaries cost up to ~10% of a step
-        self.model = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len)
+        # A parallel server: ranks 1..N-1 start now and load beside this one (ranks.py).
+        self.workers: Workers | None = None
+        self._broadcast: StepBroadcast | None = None
+        self.parallel, self.prewarm_seconds = SINGLE, 0.0
+        if cfg.tp_size > 1:
+            check_sizes(self.config, cfg.tp_size, cfg.ep_size)  # before any rank starts
+            cfg = self.engine_config = dataclasses.replace(cfg, device=rank_device(cfg.device, 0))
+            if cfg.device.type == "cpu":
+                torch.set_num_threads(threads_per_rank(cfg.tp_size))
+            self.workers = Workers(cfg)
+            try:
+                self.parallel = init_groups(0, cfg.tp_size, cfg.ep_size, self.workers.init_method, cfg.device)
+                if cfg.prewarm:
+                    self.prewarm_seconds = prewarm_groups(self.parallel, cfg.device)
+            except BaseException:
+                self.workers.close(None)
+                raise
+        try:
+            self._build(cfg, tokenizer)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg: EngineConfig, tokenizer: object | None) -> None:
+        self.model = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len, self.parallel)
         if tokenizer is None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(cfg.model))
         self.tokenizer = tokenizer
 
-        self.layout = Dsv4MemoryLayout.from_config(self.config, page_size=cfg.page_size, kv_dtype=cfg.dtype)
-        self.pool_sizes = plan_sizes(self.layout, cfg)
-        memory = PagedMemory.build(
-            self.layout, self.pool_sizes, cfg.max_num_seqs, cfg.max_model_len, cfg.device
-        )
+        layout = Dsv4MemoryLayout.from_config(self.config, page_size=cfg.page_size, kv_dtype=cfg.dtype)
+        self.pool_sizes = share_sizes(self.parallel, plan_sizes(layout, cfg))
+        rank = build_rank(cfg, self.model, self.pool_sizes)
+        self.layout, memory, self.runner = rank.layout, rank.memory, rank.runner
         self.kv_pool, self.req_pool, self.allocator = memory.kv, memory.req_pool, memory.allocator
         self.scheduler = Scheduler(cfg.scheduler_config(tuple(self.config.eos_token_ids)), self.allocator)
-        self.runner = ModelRunner(self.model, self.kv_pool, self.allocator, **cfg.runner_options())
+        if self.workers is not None:
+            self.allocator.record()  # the other ranks replay its changes
+            self._broadcast = self.runner.followers = StepBroadcast(self.parallel)
         t0 = time.perf_counter()
         if warmed := self.runner.warmup():
             log.info("decode: %d batch-size buckets warmed in %.1f s", warmed, time.perf_counter() - t0)
@@ -162,6 +183,7 @@ class LLMEngine:
         # token) go out with the next step.
         self.step_observers: list[Callable[[SchedulerOutput, dict[str, int]], None]] = []
         self._pending: list[StepOutput] = []
+        self._grammar: grammar.GrammarBackend | None = None
         log.info(
             "paged pools: %s, %.1f MiB; page %d, max_model_len %d, max_num_seqs %d, token budget %d",
             self.pool_sizes,
@@ -232,6 +254,8 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
         seq = Sequence(request_id, list(prompt_token_ids), sampling_params, hold=hold)
         seq.generator = self._generator(sampling_params)
+        if sampling_params.grammar is not None:
+            seq.grammar = self.grammar_backend().matcher(sampling_params.grammar)
         self.scheduler.add(seq)  # raises if its context could never fit the pools
         self.requests[request_id] = seq
         return request_id
@@ -239,6 +263,12 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
+
+    def grammar_backend(self) -> grammar.GrammarBackend:
+        """llguidance's view of the tokenizer, built on the first constrained request."""
+        if self._grammar is None:
+            self._grammar = grammar.GrammarBackend(self.tokenizer, self.config.vocab_size)
+        return self._grammar
 
     def _generator(self, params: SamplingParams, state: torch.Tensor | None = None) -> torch.Generator | None:
         if params.seed is None:
@@ -302,8 +332,21 @@ class LLMEngine:
         if not 0 <= first_token < self.config.vocab_size:
             self.allocator.free(req_idx)
             raise ValueError(f"transferred first token {first_token} is outside the vocabulary")
+        if self._broadcast is not None:  # the transfer filled rank 0's pools: the other ranks copy them
+            self._broadcast.share_pages(
+                self.allocator.take_journal(), self.kv_pool, self.payloads(req_idx, len(prompt_token_ids))
+            )
         seq = Sequence(request_id, list(prompt_token_ids), sampling_params, req_idx=req_idx)
         seq.output_token_ids.append(first_token)
+        if sampling_params.grammar is not None:
+            # The prefill server sampled the first token under the same grammar: rebuild the matcher
+            # from the request and advance it past that token.
+            try:
+                seq.grammar = self.grammar_backend().matcher(sampling_params.grammar)
+            except ValueError:
+                self.allocator.free(req_idx)
+                raise
+            grammar.advance(seq.grammar, first_token)
         seq.generator = self._generator(sampling_params, generator_state)
         done = self.scheduler.admit_resident(seq)
         if done is None:
@@ -321,14 +364,26 @@ class LLMEngine:
         pool_usage/<f> (fraction in use), pool_free/<f> and pool_total/<f> (pages)."""
         return {k: float(v) for k, v in self.scheduler.metrics().items()}
 
+    def close(self) -> None:
+        """Stop the other ranks of a parallel server (nothing to do on one rank); idempotent."""
+        if self.workers is not None:
+            self.workers.close(self._broadcast)
+
     def step(self) -> list[StepOutput]:
+        if self.workers is not None and self.workers.failure is not None:
+            raise RuntimeError(self.workers.failure)
         outputs, self._pending = self._pending, []
         out = self.scheduler.schedule()
         if out is None:
             if self.scheduler.has_unfinished() and not self.scheduler.running and not self.scheduler.held:
                 raise RuntimeError("requests are waiting but none can be admitted with empty pools")
             return outputs
-        sampled = self.runner.run(out, self.scheduler.config.eos_token_ids)
+        constrained = {c.seq.request_id: c.seq.grammar for c in out.chunks if c.sample and c.seq.grammar}
+        masks = self.grammar_backend().start_masks(constrained) if constrained else None
+        sampled = self.runner.run(out, self.scheduler.config.eos_token_ids, masks)
+        for rid in constrained:
+            if rid in sampled:
+                grammar.advance(constrained[rid], sampled[rid])
         for observe in self.step_observers:
             observe(out, sampled)
         finished = {seq.request_id for seq in self.scheduler.postprocess(out, sampled)}

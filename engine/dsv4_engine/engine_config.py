@@ -57,6 +57,9 @@ class EngineConfig:
     tp_size: int = 1
     ep_size: int = 1
     kernels: bool = True
+    # One collective per process group before serving (parallel.groups.prewarm); off only to measure
+    # what it saves (bench/parallel.py).
+    prewarm: bool = True
 
     @classmethod
     def build(
@@ -77,6 +80,7 @@ class EngineConfig:
         tp_size: int = 1,
         ep_size: int = 1,
         kernels: bool | None = None,
+        prewarm: bool = True,
     ) -> EngineConfig:
         """What was asked, resolved; max_position_embeddings is the checkpoint's (it caps the context)."""
         for name, value in (
@@ -87,14 +91,8 @@ class EngineConfig:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        # One rank today: accepting a parallel size and ignoring it would load the whole model onto
-        # one device (the operator renders tp 8 for the real model), so it fails at start instead.
-        for name, value, what in (("tp_size", tp_size, "tensor"), ("ep_size", ep_size, "expert")):
-            if value > 1:
-                raise ValueError(
-                    f"{name} {value}: {what} parallelism is not implemented yet; this engine runs the "
-                    f"whole model on one device, so {name} must be 1"
-                )
+        if tp_size % ep_size:
+            raise ValueError(f"ep_size {ep_size} must divide tp_size {tp_size}")
         if num_pages is not None and num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         chunk: int | None
@@ -127,6 +125,7 @@ class EngineConfig:
             tp_size=tp_size,
             ep_size=ep_size,
             kernels=kernels if kernels is not None else os.environ.get(KERNELS_ENV, "1") != "0",
+            prewarm=prewarm,
         )
 
     @property

@@ -36,6 +36,16 @@ class LLM:
         self.engine = LLMEngine(model_path, dtype=dtype, device=device, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the other ranks when tp_size > 1 (they also stop when this process exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: list[str] | list[list[int]],

@@ -134,8 +134,14 @@ def _block_size(path: Path) -> tuple[int, int]:
 
 
 def _plan(
-    files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple[int, int], report: LoadReport
+    files: dict[str, Path],
+    targets: dict[str, torch.Tensor],
+    block: tuple[int, int],
+    report: LoadReport,
+    full_shapes: dict[str, tuple[int, ...]],
 ) -> list[_Piece]:
+    """The checkpoint's tensors matched to the model's, against each tensor's full shape (a rank's
+    sharded tensors are only its part: `full_shapes` holds theirs)."""
     model_keys = set(targets)
     handles: dict[Path, object] = {}
 
@@ -198,7 +204,7 @@ def _plan(
             errors.append(f"unexpected tensor {key} (shape {logical}): the model has no tensor named {name}")
             continue
         target, index = hit
-        tshape = tuple(targets[target].shape)
+        tshape = full_shapes.get(target) or tuple(targets[target].shape)
         if index is not None and len(index) == 2:  # an expert's w1/w3: a half of gate_up_proj
             half = tshape[1] // 2
             index = (index[0], slice(0, half) if index[1] == "w1" else slice(half, 2 * half))
@@ -230,7 +236,7 @@ def _plan(
     for s in sorted(scale_keys - used_scales - set(report.skipped_names)):
         errors.append(f"unexpected tensor {s}: a scale whose weight is not in the checkpoint")
     for name, t in targets.items():
-        errors.extend(_missing(name, tuple(t.shape), covered.get(name)))
+        errors.extend(_missing(name, full_shapes.get(name) or tuple(t.shape), covered.get(name)))
     if errors:
         shown = "\n  ".join(errors[:20])
         more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
@@ -312,8 +318,12 @@ def load_checkpoint(
 
     dtype: None keeps the model's dtypes; "auto" is float32 on CPU; a dtype converts floating tensors to it
     first (except those HF keeps in float32: norms, sinks, hyper-connections, compressor biases).
-    Each checkpoint tensor is read, dequantised and cast on its own, then copied into place.
+    Each checkpoint tensor is read, dequantised and cast on its own, then copied into place. A rank of
+    a parallel server (`model.parallel`) reads only its shard of each split tensor (parallel/shard.py);
+    quantised ones are read whole, since their scales cover blocks across the split.
     """
+    from dsv4_engine.parallel.shard import model_shards
+
     start = time.perf_counter()
     report = LoadReport(path=str(path))
     want = resolve_dtype(dtype, device)
@@ -323,7 +333,8 @@ def load_checkpoint(
     report.files = len(set(files.values()))
     block = _block_size(Path(path))
     targets = _targets(model)
-    pieces = _plan(files, targets, block, report)
+    shards = model_shards(model) if hasattr(model, "parallel") else {}
+    pieces = _plan(files, targets, block, report, {k: full for k, (full, _) in shards.items()})
     total = sum(p.nbytes for p in pieces)
     step = max(total // 10, 1)
     next_log = step
@@ -338,15 +349,35 @@ def load_checkpoint(
         )
     handles: dict[Path, object] = {}
 
-    def read(key: str, f: Path) -> torch.Tensor:
+    def handle(f: Path):  # safetensors' handle type is not public
         if f not in handles:
             handles[f] = safe_open(str(f), framework="pt")
-        return handles[f].get_tensor(key)
+        return handles[f]
+
+    def read(key: str, f: Path) -> torch.Tensor:
+        return handle(f).get_tensor(key)
 
     filled: set[str] = set()
     with torch.no_grad():
         for p in sorted(pieces, key=lambda p: (str(p.file), p.key)):  # file order: sequential reads
             dest = targets[p.target]
+            index, shard = p.index, None
+            if p.target in shards:
+                shard = shards[p.target][1]
+                if index is not None:
+                    placed = shard.piece(index)
+                    if placed is None:
+                        continue  # another rank's expert
+                    index, shard = placed
+            if shard is not None and p.kind == "plain":
+                sl = handle(p.file).get_slice(p.key)
+                t = shard.read(lambda box, sl=sl: sl[box], len(p.logical_shape))
+                report.tensors_read += 1
+                view = dest.data if index is None else dest.data[index]
+                view.copy_(t.to(dtype=dest.dtype))
+                filled.add(p.target)
+                report.bytes_read += t.numel() * t.element_size()
+                continue
             t = read(p.key, p.file)
             report.tensors_read += 1
             if p.kind != "plain":
@@ -358,7 +389,9 @@ def load_checkpoint(
                 else:
                     t = quant.dequant_fp4(t, scale)
                     report.dequantized_fp4 += 1
-            view = dest.data if p.index is None else dest.data[p.index]
+            if shard is not None:
+                t = shard.take(t)
+            view = dest.data if index is None else dest.data[index]
             view.copy_(t.to(dtype=dest.dtype))
             filled.add(p.target)
             report.bytes_read += p.nbytes

@@ -5,17 +5,25 @@ The scheduler has already allocated the step (`SchedulerOutput.bundle`); here ea
 one token is sampled for every chunk that reaches its request's last known token. Decodes (one
 token per request, scheduled first) and prefill chunks run as two forwards, so the decode forward is
 one method with a fixed-shape input that a graph runner can take over.
+
+What the forwards need of a step is a `StepPlan`: row indices, positions and token ids, no
+`Sequence`. On a parallel server rank 0 sends it (with its allocator's changes since the last step)
+to the other ranks, whose runners run the same `forward` over their shard (parallel/worker.py);
+sampling and logprobs are rank 0's alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from dsv4_engine.attention import buckets_for
+from dsv4_engine.grammar import PendingMasks
 from dsv4_engine.graph_runner import DECODE_MODES, DecodeGraphRunner, DecodeMode, default_decode_mode
-from dsv4_engine.memory import Dsv4Allocator, DSV4OutCacheLoc, Dsv4TokenToKVPool, ExtendSpec
+from dsv4_engine.memory import Dsv4Allocator, Dsv4TokenToKVPool, ExtendSpec
 from dsv4_engine.memory.seq_cache import PagedSeqCache
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
 from dsv4_engine.model.batch import ExtendOps
@@ -25,6 +33,50 @@ from dsv4_engine.scheduler import ScheduledChunk, SchedulerOutput, Sequence
 # Prompt logprobs are computed this many positions at a time, so a long chunk never holds its whole
 # [chunk, vocab] logits at once.
 PROMPT_LOGPROB_ROWS = 256
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    request_id: str
+    req_idx: int
+    start: int  # the chunk's first position; the request's cache holds [0, start)
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Every rank's forward of one step: the decode rows (one token each, at `spec.prefix_len`),
+    then the prefill chunks."""
+
+    decode_ids: list[str]
+    decode_specs: list[ExtendSpec]
+    decode_tokens: list[int]
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepPlan:
+        n_dec = 0
+        while n_dec < len(out.chunks) and out.chunks[n_dec].is_decode:
+            n_dec += 1
+        decodes, specs = out.chunks[:n_dec], out.specs[:n_dec]
+        prefills = []
+        for c in out.chunks[n_dec:]:
+            assert c.seq.req_idx is not None
+            prefills.append(PrefillChunk(c.seq.request_id, c.seq.req_idx, c.start, c.token_ids))
+        return cls(
+            decode_ids=[c.seq.request_id for c in decodes],
+            decode_specs=list(specs),
+            decode_tokens=[
+                c.seq.all_token_ids[spec.prefix_len] for c, spec in zip(decodes, specs, strict=True)
+            ],
+            prefills=prefills,
+        )
+
+
+class Followers(Protocol):
+    """The other ranks of a parallel server, as rank 0's runner sees them (parallel/worker.py)."""
+
+    def send(self, journal: list[tuple[str, tuple]], step: StepPlan) -> None: ...
 
 
 class ModelRunner:
@@ -53,6 +105,9 @@ class ModelRunner:
         self.kernels = kernels
         self.extend_ops = ExtendOps(kernels=kernels)
         self._decode_runner: DecodeGraphRunner | None = None  # built on first use
+        self._caches: dict[str, PagedSeqCache] = {}  # request id -> its view of its pages
+        # Rank 0 of a parallel server: where each step goes before its forward (parallel/worker.py).
+        self.followers: Followers | None = None
         # Test hook: request id -> digest of the first logits row the runner computed for it (on a PD
         # decode server, the first decode step's: it shows which state that step read).
         self.logit_probe: dict[str, str] | None = None
@@ -84,46 +139,41 @@ class ModelRunner:
         return len(self.decode_buckets)
 
     # ---- caches --------------------------------------------------------------------------------
-    def _cache(self, seq: Sequence, start: int) -> PagedSeqCache:
-        """The request's view of its pages, positioned at `start` (a fresh one after (re)admission)."""
-        assert seq.req_idx is not None
-        cache = seq.cache
-        if not isinstance(cache, PagedSeqCache) or start == 0 or cache.req_idx != seq.req_idx:
-            cache = PagedSeqCache(self.kv_pool, self.allocator, seq.req_idx)
-            seq.cache = cache
+    def _cache(self, request_id: str, req_idx: int, start: int) -> PagedSeqCache:
+        """The request's view of its pages, positioned at `start`: a fresh one at its first chunk (or
+        first after a readmission) or on a new row; at most one per row, since a row's next owner
+        drops its previous one."""
+        cache = self._caches.get(request_id)
+        if cache is None or start == 0 or cache.req_idx != req_idx:
+            for rid in [r for r, c in self._caches.items() if c.req_idx == req_idx]:
+                del self._caches[rid]
+            cache = self._caches[request_id] = PagedSeqCache(self.kv_pool, self.allocator, req_idx)
         cache.num_tokens = start
         cache.new_step()
         return cache
 
     # ---- forwards ------------------------------------------------------------------------------
-    def prefill(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run prefill chunks (any prefix: chunked prefill continues at `chunk.start`) in one
-        forward; logits `[n, V]` (fp32) of the last token of each chunk with `sample=True`, in order."""
+    def forward(self, step: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None, ForwardBatch | None]:
+        """Every rank's part of a step: (decode logits `[n_dec, V]` fp32, prefill hidden states,
+        their batch); None for a part the step does not have."""
+        decode_logits = self.decode(step) if step.decode_specs else None
+        if not step.prefills:
+            return decode_logits, None, None
         batch = ForwardBatch.build(
-            [(self._cache(c.seq, c.start), c.token_ids) for c in chunks],
+            [(self._cache(c.request_id, c.req_idx, c.start), c.token_ids) for c in step.prefills],
             device=self.device,
             ops=self.extend_ops,
         )
-        hidden = self.model(batch)
-        for c, s in zip(chunks, batch.seqs, strict=True):
-            if c.seq.params.prompt_logprobs is not None:  # only requests that ask pay for every row
-                _prompt_logprobs(self.model, c, hidden[s.offset : s.offset + s.length])
-        last = [s.offset + s.length - 1 for c, s in zip(chunks, batch.seqs, strict=True) if c.sample]
-        if not last:
-            return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        rows = torch.tensor(last, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        return decode_logits, self.model(batch), batch
 
-    def decode(self, seqs: list[Sequence], specs: list[ExtendSpec], bundle: DSV4OutCacheLoc) -> torch.Tensor:
-        """One decode step for `seqs` (each adds its last token at position `spec.prefix_len`);
-        returns logits `[len(seqs), V]` (fp32), row i for seqs[i].
+    def decode(self, step: StepPlan) -> torch.Tensor:
+        """One decode step for the step's decode rows (each adds its token at `spec.prefix_len`);
+        returns logits `[n, V]` (fp32), row i for row i.
 
-        On entry the allocator has already allocated this step: `specs[i]` is seqs[i]'s
-        `prefix_len -> prefix_len + 1` and `bundle` holds exactly these requests' slots (the
-        out-cache locations, in the same order); the request tables (`allocator.req_pool`) map every
-        position to its pool slot. The method writes the new token's SWA KV, compressor state and
-        any completed compressed rows into the pools, since later steps read them from there.
-        `seq.cache` need not be kept in sync: every step repositions it.
+        On entry the allocator has already allocated this step: `specs[i]` is row i's
+        `prefix_len -> prefix_len + 1`; the request tables (`allocator.req_pool`) map every position
+        to its pool slot. The method writes the new token's SWA KV, compressor state and any
+        completed compressed rows into the pools, since later steps read them from there.
 
         `self.decode_mode` (a constructor argument) picks the path: `eager` (default with
         enforce_eager), `compiled` (CPU without it) or `graph` (GPU/NPU without it) run every request
@@ -132,13 +182,12 @@ class ModelRunner:
         forward below, which the batched step is tested against, as does a batch above the largest
         bucket.
         """
-        if self.decode_mode != "reference" and len(seqs) <= self.decode_buckets[-1]:
-            tokens = [seq.all_token_ids[spec.prefix_len] for seq, spec in zip(seqs, specs, strict=True)]
+        specs, tokens = step.decode_specs, step.decode_tokens
+        if self.decode_mode != "reference" and len(specs) <= self.decode_buckets[-1]:
             return self.decode_runner().run(specs, tokens)
-        del bundle  # the reference path writes through the request tables
         chunks = [
-            (self._cache(seq, spec.prefix_len), [seq.all_token_ids[spec.prefix_len]])
-            for seq, spec in zip(seqs, specs, strict=True)
+            (self._cache(rid, spec.req_idx, spec.prefix_len), [token])
+            for rid, spec, token in zip(step.decode_ids, specs, tokens, strict=True)
         ]
         batch = ForwardBatch.build(chunks, device=self.device, ops=self.extend_ops)
         return self.model.compute_logits(self.model(batch))
@@ -154,24 +203,32 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput, eos_token_ids: Collection[int] = ()) -> dict[str, int]:
+    def run(
+        self, out: SchedulerOutput, eos_token_ids: Collection[int] = (), grammar: PendingMasks | None = None
+    ) -> dict[str, int]:
         """Forward the step and sample: request id -> next token, for every chunk with sample=True.
         `eos_token_ids`: what `min_tokens` masks besides a request's stop ids. A request asking for
-        logprobs gets its sampled token's in `seq.step_logprobs` (raw logits, before any penalty)."""
-        n_dec = 0
-        while n_dec < len(out.chunks) and out.chunks[n_dec].is_decode:
-            n_dec += 1
+        logprobs gets its sampled token's in `seq.step_logprobs` (raw logits, before any penalty).
+        `grammar`: the constrained requests' masks, computed while the forward runs."""
+        step = StepPlan.of(out)
+        if self.followers is not None:  # the server's other ranks run the same forwards
+            self.followers.send(self.allocator.take_journal(), step)
+        decode_logits, hidden, batch = self.forward(step)
+        n_dec = len(step.decode_specs)
         sampled_chunks: list[ScheduledChunk] = []
         logits: list[torch.Tensor] = []
-        if n_dec:
-            decodes = out.chunks[:n_dec]
-            logits.append(
-                self.decode([c.seq for c in decodes], out.specs[:n_dec], out.bundle.select(0, n_dec))
-            )
-            sampled_chunks += decodes
-        if n_dec < len(out.chunks):
+        if decode_logits is not None:
+            logits.append(decode_logits)
+            sampled_chunks += out.chunks[:n_dec]
+        if hidden is not None and batch is not None:
             prefills = out.chunks[n_dec:]
-            logits.append(self.prefill(prefills))
+            for c, s in zip(prefills, batch.seqs, strict=True):
+                if c.seq.params.prompt_logprobs is not None:  # only requests that ask pay for every row
+                    _prompt_logprobs(self.model, c, hidden[s.offset : s.offset + s.length])
+            last = [s.offset + s.length - 1 for c, s in zip(prefills, batch.seqs, strict=True) if c.sample]
+            if last:
+                rows = torch.tensor(last, dtype=torch.long, device=self.device)
+                logits.append(self.model.compute_logits(hidden.index_select(0, rows)))
             sampled_chunks += [c for c in prefills if c.sample]
         if not sampled_chunks:
             return {}
@@ -179,6 +236,7 @@ class ModelRunner:
         all_logits = torch.cat(logits)
         if self.logit_probe is not None:
             self._probe(seqs, all_logits)
+        masks = grammar.wait([s.request_id for s in seqs], tuple(eos_token_ids)) if grammar else None
         tokens = sample(
             all_logits,
             [s.params for s in seqs],
@@ -186,6 +244,7 @@ class ModelRunner:
             prompt_ids=[s.prompt_token_ids for s in seqs],
             output_ids=[s.output_token_ids for s in seqs],
             eos_token_ids=eos_token_ids,
+            grammar_mask=masks,
         )
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if want:

@@ -2,7 +2,8 @@
 
 Sampling runs over the whole batch as tensor ops, in vLLM's order: `min_tokens` masks the stop tokens,
 `logit_bias` is added, then the repetition / frequency / presence penalties (from per-row token counts
-built by one scatter), then greedy argmax or temperature, `min_p`, top-k / top-p and a seeded draw.
+built by one scatter), then the grammar masks of constrained requests (`dsv4_engine.grammar`: rows of
+a boolean mask, only for the rows that have one), then greedy argmax or temperature, `min_p`, top-k / top-p and a seeded draw.
 Every step is row-wise, so a request gets the same token whatever runs beside it. Python loops only
 over the requests and their own short lists (stop ids, bias entries, token history), never over the
 vocabulary.
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_engine.sampling_params import SamplingParams
+
+# Rows of the batch under a grammar, and their allowed tokens (`[len(rows), V]` bool).
+GrammarMask = tuple[list[int], torch.Tensor]
 
 
 @dataclass
@@ -36,12 +40,19 @@ def sample(
     prompt_ids: Sequence[Sequence[int]] | None = None,
     output_ids: Sequence[Sequence[int]] | None = None,
     eos_token_ids: Collection[int] = (),
+    grammar_mask: GrammarMask | None = None,
 ) -> list[int]:
     """One token per row of `logits [B, V]`. Rows with a generator draw from it (seeded).
     `prompt_ids` / `output_ids`: each row's tokens so far (penalties, min_tokens; none if omitted).
+    `grammar_mask`: (rows, allowed `[len(rows), V]` bool) for the rows under a grammar.
     `logits` is not modified."""
     logits = process_logits(
-        logits, params, prompt_ids=prompt_ids, output_ids=output_ids, eos_token_ids=eos_token_ids
+        logits,
+        params,
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+        eos_token_ids=eos_token_ids,
+        grammar_mask=grammar_mask,
     )
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
@@ -64,8 +75,10 @@ def process_logits(
     prompt_ids: Sequence[Sequence[int]] | None = None,
     output_ids: Sequence[Sequence[int]] | None = None,
     eos_token_ids: Collection[int] = (),
+    grammar_mask: GrammarMask | None = None,
 ) -> torch.Tensor:
-    """fp32 logits after min_tokens masking, logit_bias and penalties (a copy when any applies)."""
+    """fp32 logits after min_tokens masking, logit_bias, penalties and grammar masks (a copy when
+    any applies)."""
     logits = logits.float()
     vocab = logits.shape[-1]
     outputs: Sequence[Sequence[int]] = output_ids if output_ids is not None else [()] * len(params)
@@ -85,7 +98,7 @@ def process_logits(
             bias_cols += list(p.logit_bias)
             bias_vals += list(p.logit_bias.values())
     penalized = [i for i, p in enumerate(params) if p.penalized]
-    if not (mask_rows or bias_rows or penalized):
+    if not (mask_rows or bias_rows or penalized or grammar_mask):
         return logits
     logits = logits.clone()  # the caller's logits stay raw (logprobs are taken from them)
     device = logits.device
@@ -100,6 +113,10 @@ def process_logits(
         sub = [params[i] for i in penalized]
         prompts = [prompt_ids[i] for i in penalized] if prompt_ids is not None else [()] * len(sub)
         logits[rows] = apply_penalties(logits[rows], sub, prompts, [outputs[i] for i in penalized])
+    if grammar_mask:
+        rows = torch.tensor(grammar_mask[0], device=device)
+        allowed = grammar_mask[1].to(device)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return logits
 
 

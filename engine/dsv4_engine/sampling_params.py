@@ -30,6 +30,9 @@ class SamplingParams:
     # default: None: none; k >= 0: the sampled (or prompt) token's logprob and the k most likely.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Constrained decoding: an llguidance grammar (Lark text; dsv4_engine.grammar) every output token
+    # must follow; EOS is allowed only where the grammar may end, and forced once it must.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:

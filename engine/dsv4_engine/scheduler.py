@@ -50,10 +50,9 @@ class Sequence:
     # transfer may still be reading them.
     hold: bool = False
     num_forwarded: int = 0  # tokens of this request the model ran (PD: decode never re-runs the prompt)
-    # Engine-side handles the scheduler never reads: the model's view of the pages (a SeqCache,
-    # dropped whenever the pages are freed) and the request's seeded sampling generator.
-    cache: object | None = None
+    # Engine-side handles the scheduler never reads: the request's seeded sampling generator.
     generator: object | None = None
+    grammar: object | None = None  # its llguidance matcher when params.grammar is set (dsv4_engine.grammar)
     # Logprobs for requests that ask (sampler.TokenLogprobs): the prompt's, entry p for token p + 1,
     # filled chunk by chunk (kept across a preemption, so a recompute does not repeat them); and the
     # token sampled by the latest step.
@@ -215,7 +214,7 @@ class Scheduler:
         self.running.remove(seq)
         if seq.req_idx is not None:
             self.allocator.free(seq.req_idx)  # the one free path: every page of every family
-        seq.req_idx, seq.num_computed, seq.status, seq.cache = None, 0, SeqStatus.WAITING, None
+        seq.req_idx, seq.num_computed, seq.status = None, 0, SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.counters["num_preemptions"] += 1
 
@@ -356,7 +355,6 @@ class Scheduler:
         elif seq.req_idx is not None:
             self.allocator.free(seq.req_idx)
             seq.req_idx = None
-        seq.cache = None
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         if reason == "abort":
             self.counters["num_aborted"] += 1

@@ -2,7 +2,8 @@
 
 Byte-level, so any UTF-8 text round-trips (CJK, emoji, accents). The special tokens and the chat
 template follow DeepSeek's: `<｜begin▁of▁sentence｜>` (id 0, added in front of every encoding),
-`<｜end▁of▁sentence｜>` (id 1), `<｜User｜>`, `<｜Assistant｜>`. Training is deterministic: the corpus is
+`<｜end▁of▁sentence｜>` (id 1), `<｜User｜>`, `<｜Assistant｜>`; `<think>`, `</think>` and
+`｜DSML｜` (tool calls) are single tokens that decode as text. Training is deterministic: the corpus is
 fixed text plus sentences drawn from fixed word lists with a fixed seed, independent of the model's seed.
 The demo checkpoint (`dsv4_engine.demo`) trains the same tokenizer on its own corpus instead.
 """
@@ -13,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -22,19 +23,55 @@ USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 THINK = "<think>"
 END_THINK = "</think>"
-SPECIAL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT, THINK, END_THINK)
+# DeepSeek-V3.2/V4's tool-call marker: tags are written `<｜DSML｜tool_calls>`, `<｜DSML｜invoke name="f">`...
+DSML = "｜DSML｜"
+SPECIAL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT, THINK, END_THINK, DSML)
+# Single tokens that decode as text even with skip_special_tokens (as in DeepSeek's own tokenizer), so
+# the reasoning and tool-call parsers see them in the detokenised output.
+TEXT_CONTROL_TOKENS = (THINK, END_THINK, DSML)
 
-# DeepSeek-style roles: system text right after BOS, then User/Assistant turns; an assistant turn ends with EOS.
+# DeepSeek-style roles: system text right after BOS, then User/Assistant turns; an assistant turn ends
+# with EOS. Tools (OpenAI `tools`) are described after the system text; an assistant's `tool_calls`
+# are written in DSML with their arguments as parameters (server/prompts.py hands `arguments` in as a
+# dict); a `tool` message is a user turn holding `<tool_result>`. The thinking switch is SGLang's
+# `thinking` or vLLM's `enable_thinking` (chat_template_kwargs): true opens `<think>` after the
+# generation prompt, false closes it at once (DeepSeek's non-thinking mode), unset adds neither.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{%- set think = thinking if thinking is defined else enable_thinking if enable_thinking is defined "
+    "else none %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}{{ message['content'] }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if tools %}"
+    "{{ '\n\n## Tools\n\nTo call tools, write one block like this (several invokes are allowed):\n\n"
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="$TOOL_NAME">\n'
+    '<｜DSML｜parameter name="$NAME" string="true|false">$VALUE</｜DSML｜parameter>\n'
+    '</｜DSML｜invoke>\n</｜DSML｜tool_calls>\n\nstring="true" for a string value written as it is, '
+    'string="false" for any other value written as JSON.\n\n### Available tools\n\' }}'
+    "{%- for tool in tools %}{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}"
+    "{{ '\n' }}{%- endfor %}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' %}{{ message['content'] }}"
+    "{%- if message['role'] == 'system' %}"
     "{%- elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{%- elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + eos_token }}"
+    "{%- elif message['role'] == 'tool' %}{{ '<｜User｜><tool_result>' + message['content'] + '</tool_result>' }}"
+    "{%- elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + (message['content'] or '') }}"
+    "{%- if message['tool_calls'] %}{{ '\n\n<｜DSML｜tool_calls>\n' }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{{ '<｜DSML｜invoke name=\"' + call['function']['name'] + '\">\n' }}"
+    "{%- for key, value in call['function']['arguments'].items() %}"
+    "{%- if value is string %}{{ '<｜DSML｜parameter name=\"' + key + '\" string=\"true\">' + value }}"
+    "{%- else %}{{ '<｜DSML｜parameter name=\"' + key + '\" string=\"false\">' + (value | tojson) }}"
+    "{%- endif %}{{ '</｜DSML｜parameter>\n' }}"
+    "{%- endfor %}{{ '</｜DSML｜invoke>\n' }}"
+    "{%- endfor %}{{ '</｜DSML｜tool_calls>' }}"
+    "{%- endif %}{{ eos_token }}"
     "{%- else %}{{ raise_exception('unknown role: ' + message['role']) }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}"
+    "{%- if think is true %}{{ '<think>' }}{%- elif think is false %}{{ '</think>' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 _TEXT = """\
@@ -84,7 +121,7 @@ def corpus() -> list[str]:
 
 
 def build_tokenizer(vocab_size: int, lines: list[str] | None = None) -> Tokenizer:
-    """Train the byte-level BPE with exactly `vocab_size` tokens (specials first, ids 0..6) on `lines`
+    """Train the byte-level BPE with exactly `vocab_size` tokens (specials first, ids 0..7) on `lines`
     (default: the bundled corpus())."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -96,6 +133,7 @@ def build_tokenizer(vocab_size: int, lines: list[str] | None = None) -> Tokenize
         show_progress=False,
     )
     tok.train_from_iterator(corpus() if lines is None else lines, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_CONTROL_TOKENS])
     if tok.get_vocab_size() != vocab_size:
         raise ValueError(f"the corpus yields {tok.get_vocab_size()} tokens, not the {vocab_size} asked for")
     bos_id = tok.token_to_id(BOS)
@@ -117,7 +155,7 @@ def write_tokenizer(
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=[USER, ASSISTANT, THINK, END_THINK],
+        additional_special_tokens=[USER, ASSISTANT],
         chat_template=CHAT_TEMPLATE,
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,

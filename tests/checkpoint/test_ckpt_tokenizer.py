@@ -90,3 +90,39 @@ def test_every_preset_vocab_is_trainable(preset: str) -> None:
     tok = tk.build_tokenizer(vocab)
     assert tok.get_vocab_size() == vocab
     assert [tok.token_to_id(t) for t in tk.SPECIAL_TOKENS] == list(range(len(tk.SPECIAL_TOKENS)))
+
+
+def test_tool_and_thinking_tokens_are_single_and_decode_as_text(hf_tok) -> None:
+    for token in tk.TEXT_CONTROL_TOKENS:
+        ids = hf_tok(token, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and hf_tok.decode(ids, skip_special_tokens=True) == token
+
+
+def test_chat_template_renders_tools_calls_results_and_thinking(hf_tok) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}},
+    }
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+    ]
+    text = hf_tok.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True, thinking=True
+    )
+    d = tk.DSML
+    assert '"name": "get_weather"' in text.split(tk.USER)[0]  # described before the first turn
+    assert (
+        f'{tk.ASSISTANT}\n\n<{d}tool_calls>\n<{d}invoke name="get_weather">\n'
+        f'<{d}parameter name="city" string="true">Oslo</{d}parameter>\n'
+        f'<{d}parameter name="days" string="false">2</{d}parameter>\n'
+        f"</{d}invoke>\n</{d}tool_calls>{tk.EOS}"
+    ) in text
+    assert text.endswith(f"{tk.USER}<tool_result>rain</tool_result>{tk.ASSISTANT}{tk.THINK}")
+    off = hf_tok.apply_chat_template(
+        messages[:1], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert off.endswith(f"{tk.ASSISTANT}{tk.END_THINK}")

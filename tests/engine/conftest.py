@@ -6,10 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 from dsv4_engine.llm import LLM
-from dsv4_engine.testing import load_hf
 
 MAX_MODEL_LEN = 2048
 
@@ -17,18 +15,6 @@ MAX_MODEL_LEN = 2048
 @pytest.fixture(autouse=True)
 def _one_thread(one_torch_thread: None) -> None:
     """Every test here runs torch on one thread (see dsv4_engine.testing.one_thread)."""
-
-
-@pytest.fixture(scope="session")
-def hf_models(checkpoints: dict[str, Path]) -> Callable[[str], torch.nn.Module]:
-    cache: dict[str, torch.nn.Module] = {}
-
-    def get(name: str) -> torch.nn.Module:
-        if name not in cache:
-            cache[name] = load_hf(checkpoints[name])
-        return cache[name]
-
-    return get
 
 
 @pytest.fixture(scope="session")

@@ -36,8 +36,8 @@ def test_an_unlimited_chunk_and_a_large_one_set_the_budget() -> None:
         ({"num_pages": 0}, "num_pages"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"page_size": 0}, "page_size"),
-        ({"tp_size": 8}, "tp_size 8: tensor parallelism is not implemented yet"),
-        ({"ep_size": 2}, "ep_size 2: expert parallelism is not implemented yet"),
+        ({"tp_size": 0}, "tp_size"),
+        ({"tp_size": 4, "ep_size": 3}, "ep_size 3 must divide tp_size 4"),
     ],
 )
 def test_what_cannot_work_is_rejected_by_name(kw: dict, field: str) -> None:

@@ -97,7 +97,7 @@ def test_engine_step_abort_and_metrics(llm: LLM) -> None:
     assert engine.metrics()["num_running"] == 2
     req_b = engine.requests[b]
     engine.abort_request(b)
-    assert req_b.cache is None and b not in engine.requests
+    assert req_b.req_idx is None and b not in engine.requests  # its row (and pages) freed
     finished = []
     while engine.has_unfinished():
         finished += [o for o in engine.step() if o.finished]

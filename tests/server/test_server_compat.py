@@ -118,8 +118,6 @@ def test_odd_field_names_are_percent_encoded(base: str) -> None:
 @pytest.mark.parametrize(
     ("kind", "kwargs", "param"),
     [
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("chat", {"extra_body": {"no_stop_trim": True}}, "no_stop_trim"),
         ("completions", {"best_of": 2}, "best_of"),
         ("completions", {"suffix": "end"}, "suffix"),

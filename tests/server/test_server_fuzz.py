@@ -148,7 +148,9 @@ def case(draw: st.DrawFn) -> Case:
     elif mutation == "unknown":
         body[draw(st.text(alphabet="qwxz_", min_size=3, max_size=8))] = draw(junk)
     elif mutation == "unsupported":
-        body[draw(st.sampled_from(UNSUPPORTED))] = draw(junk.filter(lambda v: v not in (None, 0, 1, False)))
+        field = draw(st.sampled_from(UNSUPPORTED))
+        off_values = (None, 0, 1, False, []) if field == "tools" else (None, 0, 1, False)  # []: no tools
+        body[field] = draw(junk.filter(lambda v: v not in off_values))
     elif mutation == "drop":
         body.pop(key)
     else:

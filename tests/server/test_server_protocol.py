@@ -85,14 +85,20 @@ def _error(model: Any, body: dict[str, Any]) -> ApiError:
         (
             ChatCompletionRequest,
             {"messages": USER, "tools": [{"type": "function"}]},
-            "tools",
-            "unsupported_parameter",
+            "tools[0].function",
+            "missing_required_parameter",
         ),
         (
             ChatCompletionRequest,
-            {"messages": USER, "response_format": {"type": "json_object"}},
+            {"messages": USER, "response_format": {"type": "json_schema"}},
             "response_format",
-            "unsupported_parameter",
+            "invalid_value",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "tool_choice": "required"},
+            "tool_choice",
+            "invalid_value",
         ),
         (ChatCompletionRequest, {"messages": []}, "messages", "invalid_value"),
         (
@@ -114,11 +120,11 @@ def _error(model: Any, body: dict[str, Any]) -> ApiError:
             "missing_required_parameter",
         ),
         (
-            # The one null OpenAI allows (an assistant turn with tool_calls): refused for tool_calls.
+            # The one null OpenAI allows (an assistant turn with tool_calls), with a malformed call.
             ChatCompletionRequest,
             {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
-            "messages[0].tool_calls",
-            "unsupported_parameter",
+            "messages[0].tool_calls[0].type",
+            "missing_required_parameter",
         ),
         (
             ChatCompletionRequest,
@@ -129,7 +135,7 @@ def _error(model: Any, body: dict[str, Any]) -> ApiError:
         (
             ChatCompletionRequest,
             {"messages": [{"role": "tool", "content": "x"}]},
-            "messages[0].role",
+            "messages[0]",
             "invalid_value",
         ),
         (

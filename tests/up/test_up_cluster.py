@@ -9,6 +9,7 @@ request is certainly unfinished.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
+import yaml
 
 CHAT = [{"role": "user", "content": "Say hello to the cluster."}]
 TOKENS = 12
@@ -39,6 +42,54 @@ def health(base: str) -> int:
         return 0
 
 
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "maximum": 99}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _structured_through_pd(c: openai.OpenAI) -> None:
+    """The grammar starts on the prefill server (first token) and continues on the decode server."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
+    kw: dict[str, Any] = {"model": "dsv4-tiny", "messages": CHAT, "max_tokens": 120, "seed": 1}
+    r = c.chat.completions.create(**kw, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    chunks = [ch for ch in c.chat.completions.create(**kw, response_format=fmt, stream=True) if ch.choices]
+    jsonschema.validate(json.loads("".join(ch.choices[0].delta.content or "" for ch in chunks)), PERSON)
+    tools = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
+    r = c.chat.completions.create(**kw, **tools)
+    assert r.choices[0].finish_reason == "tool_calls"
+    call = r.choices[0].message.tool_calls[0]
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    history = [
+        *CHAT,
+        r.choices[0].message.model_dump(exclude_unset=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    assert c.chat.completions.create(**{**kw, "messages": history}, tools=[WEATHER]).choices
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    r = c.chat.completions.create(**{**kw, "max_tokens": 8}, extra_body=thinking)
+    assert getattr(r.choices[0].message, "reasoning_content", None)
+    streamed = c.chat.completions.create(**{**kw, "max_tokens": 8}, extra_body=thinking, stream=True)
+    reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in streamed)
+    assert reasoning == r.choices[0].message.reasoning_content
+
+
 def test_up_serves_through_the_router_and_drains_on_sigterm(
     tiny_model: Path, spec_for: Any, up: Any, until: Any, alive: Any
 ) -> None:
@@ -55,6 +106,7 @@ def test_up_serves_through_the_router_and_drains_on_sigterm(
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == (
         reply.choices[0].message.content
     )
+    _structured_through_pd(c)
 
     decode = children["decode-0"][1]
     assert httpx.post(f"{decode}/debug/pause", timeout=120).json()["paused"]
@@ -123,3 +175,28 @@ def test_a_process_that_dies_later_stops_the_rest(
     assert f"  | {log[-1]}" in out  # its last log line, as written
     assert re.search(r"prefill-0 +stopped", out) and re.search(r"router +stopped", out), out
     assert not [name for name, (pid, _) in children.items() if alive(pid)]
+
+
+def test_up_runs_parallel_servers(tiny_model: Path, spec_for: Any, up: Any, tmp_path: Path) -> None:
+    """tensorParallelSize 2 on both roles reaches `dsv4 serve --tp-size 2` unchanged: each server runs
+    two ranks, PD pairs them through the router, and the answer is one rank's."""
+    from dsv4_engine.llm import LLM
+    from dsv4_engine.sampling_params import SamplingParams
+
+    doc = yaml.safe_load(spec_for(tiny_model).read_text())
+    for role in ("prefill", "decode"):
+        doc["spec"][role]["tensorParallelSize"] = 2
+    spec = tmp_path / "tp2.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    run = up(spec)
+    url = run.endpoint()
+    prompt = "The cluster says hello, " * 6
+    with LLM(tiny_model) as llm:
+        want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))[0]
+    got = client(url).completions.create(
+        model="dsv4-tiny", prompt=prompt, max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert got.choices[0].text == want.text
+    for name in ("prefill-0", "decode-0"):
+        log = (tmp_path / "logs" / f"{name}.log").read_text()
+        assert "rank 1: process groups prewarmed" in log, log[-2000:]  # a second rank ran in it

@@ -515,6 +515,7 @@ at::Tensor shared_expert(const at::Tensor& x, const at::Tensor& gate_up, const a
 
 // The (token, expert) pairs of `ids` [T, k] grouped by expert, in token order within each expert
 // (a stable counting sort, as argsort(stable=True)): pairs `order[start[e]..start[e+1])` are expert e's.
+// Id -1 marks a pair routed to another rank's expert (Experts.localise): it is skipped.
 struct ExpertGroups {
   std::vector<int64_t> order, start;
 };
@@ -525,12 +526,14 @@ ExpertGroups group_by_expert(const at::Tensor& ids, int64_t num_experts) {
   const int64_t pairs = flat.numel();
   ExpertGroups g{std::vector<int64_t>(pairs), std::vector<int64_t>(num_experts + 1, 0)};
   for (int64_t i = 0; i < pairs; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < num_experts, "moe_experts: expert id out of range");
+    TORCH_CHECK(id[i] >= -1 && id[i] < num_experts, "moe_experts: expert id out of range");
     ++g.start[id[i] + 1];
   }
+  g.start[0] = 0;  // the skipped pairs' count
   for (int64_t e = 0; e < num_experts; ++e) g.start[e + 1] += g.start[e];
   std::vector<int64_t> fill(g.start.begin(), g.start.end() - 1);
-  for (int64_t i = 0; i < pairs; ++i) g.order[fill[id[i]]++] = i;
+  for (int64_t i = 0; i < pairs; ++i)
+    if (id[i] >= 0) g.order[fill[id[i]]++] = i;
   return g;
 }
 

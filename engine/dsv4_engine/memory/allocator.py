@@ -152,11 +152,46 @@ class Dsv4Allocator:
         self._state_ratio = {"c4s": 4, "c128s": 128}
         self._active = {"c4s": has_c4, "c128s": has_c128}
         self._reqs: dict[int, _ReqPages] = {}
+        self._journal: list[tuple[str, tuple]] | None = None
+
+    # ---- replication (parallel/: the other ranks of a server mirror rank 0's pages) -------------
+    def record(self) -> None:
+        """From now on, keep every change (the calls that succeeded, in order) for `take_journal`."""
+        self._journal = []
+
+    def take_journal(self) -> list[tuple[str, tuple]]:
+        """The changes since the last call; another allocator of the same sizes that `replay`s every
+        journal holds the same pages and tables (the allocator is deterministic)."""
+        assert self._journal is not None, "record() was not called"
+        journal, self._journal = self._journal, []
+        return journal
+
+    def replay(self, journal: list[tuple[str, tuple]]) -> None:
+        for name, args in journal:
+            if name == "alloc_request":
+                row = self.alloc_request()
+                if row != args[0]:
+                    raise RuntimeError(f"replicated allocator diverged: row {row}, rank 0 had {args[0]}")
+            elif name == "alloc_extend":
+                self.alloc_extend(*args)
+            elif name == "alloc_prealloc":
+                self.alloc_prealloc(*args)
+            elif name == "free":
+                self.free(*args)
+            else:
+                raise ValueError(f"unknown journal entry {name!r}")
+
+    def _log(self, name: str, *args: object) -> None:
+        if self._journal is not None:
+            self._journal.append((name, args))
 
     # ---- request rows --------------------------------------------------------------------------
     def alloc_request(self) -> int | None:
         """A free request row (all its tables zero, no pages held); None when every row is in use."""
-        return self.req_pool._take_row()
+        row = self.req_pool._take_row()
+        if row is not None:
+            self._log("alloc_request", row)
+        return row
 
     def num_free_requests(self) -> int:
         return self.req_pool.num_free_rows()
@@ -257,6 +292,7 @@ class Dsv4Allocator:
         if gross_fits:
             for spec, plan in zip(specs, plans, strict=True):
                 self._release(spec, plan)
+        self._log("alloc_extend", list(specs))
         return self._bundle(specs)
 
     def alloc_decode(self, req_indices: Sequence[int]) -> DSV4OutCacheLoc:
@@ -288,6 +324,7 @@ class Dsv4Allocator:
         writes = _TableWrites()
         self._apply(ExtendSpec(req_idx, 0, seq_len), _Plan(free=empty, need=need), writes)
         writes.flush()
+        self._log("alloc_prealloc", req_idx, seq_len)
 
     def _paged_tables(self) -> dict[str, torch.Tensor]:
         pool = self.req_pool
@@ -384,3 +421,4 @@ class Dsv4Allocator:
             for fam in ("swa", "c4s", "c128s"):
                 self.pools[fam].free(list(getattr(r, fam).values()))
         self.req_pool._release_row(req_idx)
+        self._log("free", req_idx)

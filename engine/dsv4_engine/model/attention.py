@@ -18,6 +18,7 @@ from dsv4_engine.config import Dsv4Config
 from dsv4_engine.model.batch import ForwardBatch, SeqSlice, StepBatch
 from dsv4_engine.model.compressor import Compressor, Indexer
 from dsv4_engine.model.ops import RMSNorm, unweighted_rms_norm_
+from dsv4_engine.parallel.groups import SINGLE, Parallel, local_o_groups
 from dsv4_engine.rope import RopeTable, rotate_
 
 # Queries per block: a block of b queries attends to b + window - 1 window keys (those its
@@ -47,16 +48,26 @@ class CompressorWithIndexer(Compressor):
 
 
 class Dsv4Attention(nn.Module):
+    """On tp_size ranks each holds num_attention_heads / tp_size query heads, their sinks and their
+    share of the output projections; the latent (one KV head), compressor and indexer are replicated,
+    so every rank writes the same state and selects the same compressed rows."""
+
     def __init__(
-        self, config: Dsv4Config, layer: int, rope_main: RopeTable, rope_compress: RopeTable
+        self,
+        config: Dsv4Config,
+        layer: int,
+        rope_main: RopeTable,
+        rope_compress: RopeTable,
+        parallel: Parallel = SINGLE,
     ) -> None:
         super().__init__()
         self.layer = layer
+        self.parallel = parallel
         self.ratio = config.compress_ratio(layer)
-        self.num_heads = config.num_attention_heads
+        self.num_heads = parallel.split(config.num_attention_heads, "num_attention_heads")
         self.head_dim = config.head_dim
         self.window = config.sliding_window
-        self.o_groups = config.o_groups
+        self.o_groups = local_o_groups(config.o_groups, parallel.tp_size)
         self.eps = config.rms_norm_eps
         self.scaling = self.head_dim**-0.5
         rope = rope_compress if self.ratio else rope_main
@@ -67,9 +78,9 @@ class Dsv4Attention(nn.Module):
         self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.kv_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        in_per_group = self.num_heads * self.head_dim // config.o_groups
-        self.o_a_proj = GroupedLinear(in_per_group, config.o_groups * config.o_lora_rank, config.o_groups)
-        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        in_per_group = self.num_heads * self.head_dim // self.o_groups
+        self.o_a_proj = GroupedLinear(in_per_group, self.o_groups * config.o_lora_rank, self.o_groups)
+        self.o_b_proj = nn.Linear(self.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         self.compressor: Compressor | None = None
         if self.ratio == 4:
@@ -79,12 +90,12 @@ class Dsv4Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The block's output `[T, hidden]`: the batch's attention (over the caches, or the paged
-        decode step), then the grouped output projection, through the batch's ops."""
+        decode step), then the grouped output projection, through the batch's ops; summed over the
+        ranks."""
         out = batch.attend(self, x)  # [T, H, D], RoPE undone
         ops = batch.ops
-        return ops.linear(
-            self.o_b_proj, ops.grouped_linear(self.o_a_proj, out.reshape(len(x), self.o_groups, -1))
-        )
+        grouped = ops.grouped_linear(self.o_a_proj, out.reshape(len(x), self.o_groups, -1))
+        return self.parallel.all_reduce(ops.linear(self.o_b_proj, grouped))
 
     def extend_attention(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attention `[T, H, D]` of an extend batch (RoPE undone): per request, over its SeqCache."""

@@ -124,10 +124,12 @@ class TorchOps:
         num_experts, limit = experts.num_experts, experts.limit
         small = bsz * k < num_experts
         if self.moe_kernel:
+            ids, weights = experts.localise(ids, weights)
             routed = torch.ops.dsv4.moe_experts(
                 x, experts.gate_up_proj, experts.down_proj, ids, weights, limit
             )
             return routed + self.shared_expert(moe, x, shared_pack)
+        ids, weights = experts.localise(ids, weights, dense=True)
         if small and self.for_compiler:  # one gathered batched GEMV per slot: the compiler's best form
             routed = x.new_zeros(())
             for slot in range(k):

@@ -14,6 +14,7 @@ from dsv4_engine.model.batch import EXTEND_OPS, StepBatch
 from dsv4_engine.model.hyper import HyperConnection, HyperHead
 from dsv4_engine.model.moe import MoE
 from dsv4_engine.model.ops import RMSNorm
+from dsv4_engine.parallel.groups import SINGLE, Parallel
 from dsv4_engine.rope import RopeRegistry
 
 # Parameters HF keeps in fp32 whatever the model dtype (`_keep_in_fp32_modules_strict`),
@@ -35,12 +36,14 @@ FP32_NAMES = (
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Dsv4Config, layer: int, rope: RopeRegistry) -> None:
+    def __init__(
+        self, config: Dsv4Config, layer: int, rope: RopeRegistry, parallel: Parallel = SINGLE
+    ) -> None:
         super().__init__()
         self.self_attn = Dsv4Attention(
-            config, layer, rope.get(config.rope_main), rope.get(config.rope_compress)
+            config, layer, rope.get(config.rope_main), rope.get(config.rope_compress), parallel
         )
-        self.mlp = MoE(config, layer)
+        self.mlp = MoE(config, layer, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)
@@ -61,13 +64,13 @@ class DecoderLayer(nn.Module):
 
 
 class Dsv4Model(nn.Module):
-    def __init__(self, config: Dsv4Config, max_positions: int) -> None:
+    def __init__(self, config: Dsv4Config, max_positions: int, parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rope = RopeRegistry(config.qk_rope_head_dim, max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rope) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, self.rope, parallel) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config)
@@ -89,10 +92,16 @@ class Dsv4Model(nn.Module):
 
 
 class Dsv4ForCausalLM(nn.Module):
-    def __init__(self, config: Dsv4Config, max_positions: int | None = None) -> None:
+    """`parallel`: this rank's place among tp_size ranks (parallel/groups.py); its modules then hold
+    that rank's shard, and the embedding, norms and lm_head are replicated."""
+
+    def __init__(
+        self, config: Dsv4Config, max_positions: int | None = None, parallel: Parallel = SINGLE
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = Dsv4Model(config, max_positions or config.max_position_embeddings)
+        self.parallel = parallel
+        self.model = Dsv4Model(config, max_positions or config.max_position_embeddings, parallel)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

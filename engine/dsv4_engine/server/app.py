@@ -91,6 +91,7 @@ async def _start_serving(
     try:
         engine = await _load_in_thread(factory)
         ctx.attach(engine, asyncio.get_running_loop())
+        _stop_when_a_rank_dies(ctx, engine, on_fatal)
         if ctx.settings.disaggregation_mode != "null":
             from dsv4_engine.server import pd
 
@@ -108,6 +109,23 @@ async def _start_serving(
     if ctx.phase == Phase.LOADING:
         ctx.set_phase(Phase.READY)
         log.info("ready to serve %s after %.1fs", ctx.model_name, time.monotonic() - started)
+
+
+def _stop_when_a_rank_dies(
+    ctx: ServerContext, engine: Any, on_fatal: Callable[[BaseException], None]
+) -> None:
+    """A parallel server whose rank died cannot serve: /health fails at once and the process exits 1
+    (ranks.Workers logs which rank and how)."""
+    workers = getattr(engine, "workers", None)
+    if workers is None:
+        return
+    loop = asyncio.get_running_loop()
+
+    def failed(message: str) -> None:  # on the event loop
+        ctx.set_phase(Phase.DEAD)
+        on_fatal(RuntimeError(message))
+
+    workers.on_failure = lambda message: loop.call_soon_threadsafe(failed, message)
 
 
 def metrics_app(render: Callable[[], Response]) -> FastAPI:

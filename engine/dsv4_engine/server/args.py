@@ -308,8 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="tp_size",
         type=_positive(int),
         default=1,
-        help="tensor-parallel size; the engine runs one rank until tensor parallelism lands, so "
-        "a size above 1 is refused at start",
+        help="tensor-parallel size: this many processes, one per rank (gloo on CPU, HCCL on NPU, NCCL "
+        "on GPU); query heads, output projections and experts are split, the latent replicated",
     )
     p.add_argument(
         "--ep-size",
@@ -318,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="ep_size",
         type=_positive(int),
         default=1,
-        help="expert-parallel size; the engine runs one rank until expert parallelism lands, so "
-        "a size above 1 is refused at start",
+        help="expert-parallel size (divides --tp-size): routed experts split this many ways, each "
+        "expert's intermediate size --tp-size / --ep-size ways",
     )
     p.add_argument(
         "--log-level",
@@ -418,4 +418,13 @@ def check(settings: ServerSettings) -> ServerSettings:
         built.scheduler_config(())  # the scheduler's own rules (the step budget holds a page)
     except (ValueError, RuntimeError) as exc:
         raise SettingsError(_flag_in(str(exc)), str(exc)) from exc
+    if settings.tp_size > 1:
+        from dsv4_engine.parallel.shard import check_sizes
+
+        try:
+            check_sizes(config, settings.tp_size, settings.ep_size)
+        except ValueError as exc:
+            flag = "--ep-size" if "ep_size" in str(exc) and settings.ep_size > 1 else "--tp-size"
+            raise SettingsError(flag, f"{exc} (in {settings.model})") from exc
+
     return dataclasses.replace(settings, device=device)

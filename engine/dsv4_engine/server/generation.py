@@ -47,6 +47,7 @@ class GenSpec:
     prompt_logprobs: int | None = None  # the same for every prompt token (echo with logprobs)
     # Completions' echo with max_tokens 0: the engine generates one token, which nobody sees.
     hide_output: bool = False
+    grammar: str | None = None  # llguidance grammar (server/structured.py) the output must follow
 
 
 @dataclass
@@ -76,6 +77,8 @@ class Outcome:
 def sampling_params(
     spec: GenSpec, max_tokens: int, *, min_tokens_param: str = "min_tokens"
 ) -> SamplingParams:
+    if spec.grammar and spec.min_tokens:  # it would mask the EOS that a finished grammar forces
+        raise bad_request("min_tokens cannot be combined with a grammar constraint", min_tokens_param)
     if spec.min_tokens > max_tokens:
         raise bad_request(
             f"min_tokens ({spec.min_tokens}) must not be more than the tokens the completion may have "
@@ -99,6 +102,7 @@ def sampling_params(
             logit_bias=dict(spec.logit_bias) if spec.logit_bias else None,
             logprobs=spec.logprobs,
             prompt_logprobs=spec.prompt_logprobs,
+            grammar=spec.grammar,
         )
     except ValueError as exc:  # SamplingParams names the field in its message
         raise bad_request(str(exc)) from exc

@@ -28,6 +28,16 @@ from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "dsv4"
+# Why a request is refused before the engine: the server's phase when not ready (state.Phase), or a
+# full queue.
+REJECTION_REASONS = ("loading", "draining", "stopped", "dead", "queue_full")
+# Why a PD request fails, as disagg/ raises them (tests/monitoring checks that list against the code);
+# a reason a peer reports is counted under its own name too.
+PD_FAILURE_REASONS = (
+    "bad_aux", "bootstrap_timeout", "bootstrap_unreachable", "decode_gone", "layout_mismatch",
+    "payload_mismatch", "peer_dead", "prefill_dead", "prompt_mismatch", "quarantined", "room_in_use",
+    "transfer_failed", "transfer_timeout", "unknown_room", "unknown_session",
+)  # fmt: skip
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -197,6 +207,8 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
+        for reason in REJECTION_REASONS:  # at 0 from the start: a rate over them is 0, not "no data"
+            self.rejected.labels(reason)
         # PD (disagg/): what moved, how long it took, and why it failed.
         self.pd_bytes = Counter(
             f"{PREFIX}_pd_transfer_bytes",
@@ -227,8 +239,16 @@ class ServerMetrics:
         self.pd_failures = Counter(
             f"{PREFIX}_pd_failures", "PD requests that failed, by reason.", ["reason"], registry=r
         )
+        for reason in PD_FAILURE_REASONS:
+            self.pd_failures.labels(reason)
         self.pd_queue = Gauge(f"{PREFIX}_pd_queue_depth", "PD requests in each queue.", ["queue"], registry=r)
         self.ready = Gauge(f"{PREFIX}_server_ready", "1 when /health answers 200.", registry=r)
+        self.prewarm = Gauge(
+            f"{PREFIX}_process_group_prewarm_seconds",
+            "Seconds a parallel server's process groups took to prewarm before it reported ready "
+            "(one small collective per group); 0 on one rank.",
+            registry=r,
+        )
         self.inflight = Gauge(
             f"{PREFIX}_requests_in_flight", "Requests admitted and not yet finished.", registry=r
         )

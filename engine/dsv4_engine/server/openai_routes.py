@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
 from dsv4_engine.server import pd
+from dsv4_engine.server.chat_output import ChatOutput
 from dsv4_engine.server.errors import ApiError, bad_request
 from dsv4_engine.server.generation import (
     GenSpec,
@@ -47,6 +48,7 @@ from dsv4_engine.server.protocol import (
 )
 from dsv4_engine.server.state import ServerContext
 from dsv4_engine.server.streaming import DONE, ClientGone, merge, sse, sse_response, unless_disconnected
+from dsv4_engine.server.structured import chat_grammar, control_tokens, sglang_grammar
 
 log = logging.getLogger("dsv4.server")
 router = APIRouter()
@@ -79,6 +81,7 @@ def spec_from(ctx: ServerContext, req: _Sampling) -> GenSpec:
         min_p=req.min_p or 0.0,
         min_tokens=req.min_tokens or 0,
         logit_bias=bias,
+        grammar=sglang_grammar(req.json_schema, req.regex),
     )
 
 
@@ -403,6 +406,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     spec = spec_from(ctx, req)
     if req.logprobs:
         spec.logprobs = req.top_logprobs or 0
+    chat = chat_grammar(req, control_tokens(ctx.tokenizer))
+    if chat and spec.grammar:
+        raise bad_request("give response_format/tool_choice or json_schema/regex, not both", "json_schema")
+    spec.grammar = chat or spec.grammar
     seqs, params = _prepare(ctx, spec, [ids], req.token_limit(), "messages", limit, n)
     lease = start_all(ctx, seqs, params, arrival=arrival, targets=pd.targets(ctx, req, 1))
     streams = [outcomes(ctx, h, spec) for h in lease.handles]
@@ -418,14 +425,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     finally:
         lease.close()
     words = token_text(ctx.tokenizer) if req.logprobs else None
+    shaped = [ChatOutput(req) for _ in outs]
     choices = [
         {
             "index": i,
-            "message": {"role": "assistant", "content": out.text},
+            "message": shaped[i].message(out.text),
             "logprobs": None
             if words is None
             else chat_logprobs(out.logprobs or [], spec.logprobs or 0, words),
-            "finish_reason": out.finish_reason,
+            "finish_reason": shaped[i].finish_reason(out.finish_reason),
             "matched_stop": out.matched_stop,
         }
         for i, out in enumerate(outs)
@@ -466,6 +474,7 @@ async def _stream_chat(
         choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return sse({**head, "choices": [choice], **_chunk_usage(req, progress)})
 
+    shaped = [ChatOutput(req) for _ in streams]
     try:
         for i in range(len(streams)):
             yield chunk(i, {"role": "assistant", "content": ""}, None)
@@ -474,11 +483,14 @@ async def _stream_chat(
                 progress.add(i, item)
                 if isinstance(item, Piece):
                     held.add(i, item)
-                    if item.text or every_piece:
-                        yield chunk(i, {"content": item.text}, None, held.take(i)[0])
+                    delta = shaped[i].delta(item.text) if shaped[i].active else {"content": item.text}
+                    if (item.text and delta) or every_piece:
+                        yield chunk(i, delta, None, held.take(i)[0])
                     continue
                 finished(ctx, request, "chat", item, arrival)
-                yield chunk(i, {}, item.finish_reason, held.rest(i, item)[0])
+                if rest := shaped[i].finish():
+                    yield chunk(i, rest, None)
+                yield chunk(i, {}, shaped[i].finish_reason(item.finish_reason), held.rest(i, item)[0])
         if req.include_usage():
             yield sse({**head, "choices": [], "usage": progress.body()})
         yield DONE

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from dsv4_engine.server.errors import bad_request
 from dsv4_engine.server.generation import check_token_ids
-from dsv4_engine.server.protocol import ChatCompletionRequest, ChatMessage
+from dsv4_engine.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 from dsv4_engine.server.state import ServerContext
 
 # Tokenising this much text inline would hold the event loop for more than about a millisecond.
@@ -50,14 +51,43 @@ async def encode_prompt(ctx: ServerContext, prompt: str | list[int], param: str 
     return ids
 
 
+def _arguments(text: str, index: int) -> dict[str, Any]:
+    # The template writes each argument as a DSML parameter, so it needs them as an object.
+    try:
+        args = json.loads(text)
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise bad_request(
+            f"messages[{index}].tool_calls: function.arguments must be a JSON object", "messages"
+        )
+    return args
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """OpenAI `tools` as the chat template reads them (HF's convention: a list of dicts)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 def _messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for m in messages:
+    for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.name is not None:
             msg["name"] = m.name
         if m.reasoning_content is not None:
             msg["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, i)},
+                }
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 
@@ -68,6 +98,7 @@ def _render_chat(
     template_kwargs: dict[str, Any] | None,
     add_generation_prompt: bool | None,
     continue_final_message: bool | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     kwargs = dict(template_kwargs or {})
     clash = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
@@ -75,9 +106,12 @@ def _render_chat(
         raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
     cont = bool(continue_final_message)
     add_prompt = (not cont) if add_generation_prompt is None else add_generation_prompt
+    rendered = _messages(messages)
+    if tools:
+        kwargs["tools"] = tools
     try:
         encoded = tokenizer.apply_chat_template(
-            _messages(messages),
+            rendered,
             add_generation_prompt=add_prompt,
             continue_final_message=cont,
             tokenize=True,
@@ -101,12 +135,19 @@ async def encode_messages(
     template_kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool | None = None,
     continue_final_message: bool | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Messages through the tokenizer's chat template, exactly as /v1/chat/completions feeds them."""
     if getattr(ctx.tokenizer, "chat_template", None) is None:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     ids = await asyncio.to_thread(
-        _render_chat, ctx.tokenizer, messages, template_kwargs, add_generation_prompt, continue_final_message
+        _render_chat,
+        ctx.tokenizer,
+        messages,
+        template_kwargs,
+        add_generation_prompt,
+        continue_final_message,
+        tools,
     )
     if not ids:
         raise bad_request("the chat template produced an empty prompt", "messages")
@@ -120,4 +161,6 @@ async def encode_chat(ctx: ServerContext, req: ChatCompletionRequest) -> list[in
         template_kwargs=req.chat_template_kwargs,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
+        # tool_choice "none": the model is not told about the tools at all
+        tools=template_tools(req.tools) if req.tool_choice != "none" else None,
     )

@@ -189,12 +189,13 @@ class _Sampling(_Request):
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(None, ge=0, lt=2**31)
+    # SGLang's constraints (server/structured.py): a JSON Schema as a JSON string, or a regex.
+    json_schema: str | None = None
+    regex: str | None = None
     # Accepted only as "off".
     best_of: off(None, 1) = None
     no_stop_trim: off(None, False) = None
-    regex: off(None) = None
     ebnf: off(None) = None
-    json_schema: off(None) = None
     lora_path: off(None) = None
     session_params: off(None) = None
     return_hidden_states: off(None, False) = None
@@ -265,12 +266,87 @@ class TextPart(_Strict):
     text: str
 
 
+_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: `text`, `json_object` (any JSON object) or `json_schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> Self:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and only then")
+        return self
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class ToolChoiceFunction(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    tool_calls: off(None, []) = None  # before `content`, whose check reads it
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCall] | None = None  # before `content`, whose check reads it
     content: str | list[TextPart] | None  # required, as in OpenAI's API; null only as below
     name: str | None = None
     reasoning_content: str | None = None
+    tool_call_id: str | None = None
+    # What the openai SDK's assistant message carries when a client sends it back as it came.
+    refusal: off(None) = None
+    annotations: off(None, []) = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_optional_with_tool_calls(cls, data: Any) -> Any:
+        # OpenAI lets an assistant message with tool_calls leave content out.
+        if isinstance(data, dict) and "content" not in data and data.get("tool_calls"):
+            return {**data, "content": None}
+        return data
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Self:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -305,15 +381,16 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
-    # sglang-router sends these; with no reasoning parser the whole answer is `content` either way.
+    # SGLang's: with thinking on (chat_template_kwargs), the reasoning goes to `reasoning_content`
+    # unless separate_reasoning is false; stream_reasoning false sends it in one delta once it ends.
     separate_reasoning: bool | None = None
     stream_reasoning: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
-    response_format: off(None, {"type": "text"}) = None
-    tools: off(None, []) = None
-    tool_choice: off(None, "none") = None
-    parallel_tool_calls: off(None, True, False) = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
     functions: off(None, []) = None
     function_call: off(None, "none") = None
     modalities: off(None, ["text"]) = None
@@ -330,6 +407,33 @@ class ChatCompletionRequest(_Sampling):
     def _continue_needs_assistant(self) -> Self:
         check_continue(self.messages, self.continue_final_message, self.add_generation_prompt)
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tools(cls, v: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in v or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_needs_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if v == "required" and not names:
+            raise ValueError("'required' needs tools")
+        if isinstance(v, ToolChoiceFunction) and v.function.name not in names:
+            raise ValueError(f"names function {v.function.name!r}, which is not in tools")
+        return v
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return dict(self.chat_template_kwargs or {})
+
+    def thinking(self) -> bool:
+        """Whether the chat template opens a thinking block (SGLang's `thinking`, vLLM's
+        `enable_thinking`, in chat_template_kwargs)."""
+        kw = self.template_kwargs()
+        return bool(kw.get("thinking", kw.get("enable_thinking", False)))
 
     @field_validator("top_logprobs")
     @classmethod
@@ -364,8 +468,8 @@ class GenerateSamplingParams(_Strict):
     spaces_between_special_tokens: off(None, True) = None
     n: off(None, 1) = None
     no_stop_trim: off(None, False) = None
-    json_schema: off(None) = None
-    regex: off(None) = None
+    json_schema: str | None = None
+    regex: str | None = None
     ebnf: off(None) = None
     custom_params: off(None) = None
     stream_interval: off(None, 1) = None
@@ -449,7 +553,7 @@ class TokenizeRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = None
     chat_template: off(None) = None
-    tools: off(None, []) = None
+    tools: list[Tool] | None = None  # rendered by the chat template, as /v1/chat/completions does
 
 
 class DetokenizeRequest(_Request):

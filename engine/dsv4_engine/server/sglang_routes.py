@@ -38,6 +38,7 @@ from dsv4_engine.server.prompts import encode_prompt
 from dsv4_engine.server.protocol import GenerateRequest, logit_bias_ids, stop_list
 from dsv4_engine.server.state import Phase, ServerContext
 from dsv4_engine.server.streaming import DONE, ClientGone, merge, sse, sse_response, unless_disconnected
+from dsv4_engine.server.structured import sglang_grammar
 
 router = APIRouter()
 
@@ -186,6 +187,7 @@ def _spec(ctx: ServerContext, req: GenerateRequest) -> GenSpec:
         min_p=sp.min_p or 0.0,
         min_tokens=sp.min_new_tokens or 0,
         logit_bias=bias,
+        grammar=sglang_grammar(sp.json_schema, sp.regex, "sampling_params."),
     )
 
 

@@ -94,6 +94,7 @@ class ServerContext:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.facts = model_facts(engine)
+        self.metrics.prewarm.set(float(getattr(engine, "prewarm_seconds", 0.0)))
         self.bridge = EngineBridge(engine, on_tokens=self._on_tokens, on_step=self._on_step)
         self._loop = loop
         self.bridge.start(loop)
@@ -213,3 +214,6 @@ class ServerContext:
         self.set_phase(Phase.STOPPED)
         if self.bridge is not None:
             self.bridge.stop()
+        close = getattr(self.engine, "close", None)  # a parallel engine stops its other ranks
+        if close is not None:
+            close()

@@ -16,14 +16,14 @@ from fastapi import APIRouter, Request
 from dsv4_engine.server.errors import bad_request, unavailable
 from dsv4_engine.server.generation import check_token_ids
 from dsv4_engine.server.openai_routes import report_ignored
-from dsv4_engine.server.prompts import encode_messages, tokenize_text
+from dsv4_engine.server.prompts import encode_messages, template_tools, tokenize_text
 from dsv4_engine.server.protocol import DetokenizeRequest, TokenizeRequest, check_continue
 from dsv4_engine.server.state import ServerContext
 
 router = APIRouter()
 
 _INLINE_TOKENS = 4096  # decoding more than this inline would hold the event loop too long
-_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
 
 
 def _ctx(request: Request) -> ServerContext:
@@ -52,6 +52,7 @@ async def _chat_ids(ctx: ServerContext, req: TokenizeRequest) -> list[int]:
         template_kwargs=req.chat_template_kwargs,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
+        tools=template_tools(req.tools),
     )
 
 
