@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,6 +18,8 @@ import aiohttp
 import kopf
 
 FIELD_MANAGER = "dsv4-operator"
+# How long "this API server does not serve that group/version" is believed before asking again.
+UNSERVED_TTL_S = 300.0
 
 Obj = dict[str, Any]
 
@@ -68,7 +71,7 @@ class Api:
         self._limit = max_inflight
         self._session: aiohttp.ClientSession | None = None
         self._on_write = on_write or (lambda verb, kind: None)
-        self._served: dict[str, bool] = {}
+        self._served: dict[str, tuple[bool, float]] = {}  # version -> (served, when asked)
 
     def use(self, info: kopf.ConnectionInfo) -> None:
         self._info = info
@@ -129,17 +132,21 @@ class Api:
         return await self._call(method, url, **kw)
 
     async def serves(self, api_version: str) -> bool:
-        """Whether the cluster serves this group/version (cached: discovery rarely changes)."""
-        if api_version not in self._served:
+        """Whether the cluster serves this group/version. A yes is cached (a version rarely goes
+        away); a no for `UNSERVED_TTL_S`, so CRDs installed later (the Prometheus Operator's) are
+        found without a restart."""
+        served = self._served.get(api_version)
+        if served is None or (not served[0] and time.monotonic() - served[1] > UNSERVED_TTL_S):
             url = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
             try:
                 await self._call("GET", url)
-                self._served[api_version] = True
+                served = (True, time.monotonic())
             except ApiError as e:
                 if e.status != 404:
                     raise
-                self._served[api_version] = False
-        return self._served[api_version]
+                served = (False, time.monotonic())
+            self._served[api_version] = served
+        return served[0]
 
     async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Obj | None:
         try:

@@ -136,8 +136,22 @@ async def reconcile(
 
 
 async def _apply(api: Api, want: list[Obj], by_key: dict[ap.Key, Obj], out: Outcome) -> None:
-    """Apply what differs from live, concurrently (the API server orders nothing between them)."""
-    changes = [(obj, why) for obj in want if (why := ap.why_apply(obj, by_key.get(ap.key(obj))))]
+    """Apply what differs from live, concurrently (the API server orders nothing between them). An
+    optional kind the cluster does not serve (a PodMonitor without the Prometheus Operator) is not
+    sent at all, so a resync writes nothing for it; Degraded names it until its CRD appears."""
+    changes = []
+    for obj in want:
+        why = ap.why_apply(obj, by_key.get(ap.key(obj)))
+        if why is None:
+            continue
+        if (obj["apiVersion"], obj["kind"]) in ap.OPTIONAL_KINDS and not await api.serves(obj["apiVersion"]):
+            out.error = out.error or st.Problem(
+                "KindNotServed",
+                f"{obj['kind']}/{obj['metadata']['name']}: this cluster does not serve {obj['apiVersion']} "
+                "(install the Prometheus Operator's CRDs, or turn spec.monitoring.podMonitor off)",
+            )
+            continue
+        changes.append((obj, why))
     results = await asyncio.gather(*(api.apply(obj) for obj, _ in changes), return_exceptions=True)
     for (obj, why), result in zip(changes, results, strict=True):
         label = "/".join(ap.key(obj))

@@ -10,7 +10,7 @@ from typing import Any
 
 from dsv4_operator import metrics
 
-from .conftest import DASHBOARD
+from .conftest import DASHBOARD, ROOT
 from .series import DOC, known_series, series_in
 
 
@@ -79,3 +79,15 @@ def test_the_operators_series_are_documented() -> None:
     section = DOC.read_text().split("## The operator's series", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `([a-z0-9_:]+)` \|", section, flags=re.MULTILINE))
     assert exported == documented
+
+
+def test_every_pd_failure_reason_the_code_raises_starts_at_zero() -> None:
+    """The PD failures panel has data before any failure because each reason's counter starts at 0:
+    the list must hold every reason disagg/ raises."""
+    from dsv4_engine.server.metrics import PD_FAILURE_REASONS
+
+    code = "\n".join(p.read_text() for p in (ROOT / "engine" / "dsv4_engine" / "disagg").glob("*.py"))
+    raised = set(re.findall(r'PdError\(\s*"([a-z_]+)"', code))
+    raised |= set(re.findall(r'pd_failures\.labels\("([a-z_]+)"\)', code))
+    assert len(raised) >= 10
+    assert raised <= set(PD_FAILURE_REASONS), sorted(raised - set(PD_FAILURE_REASONS))

@@ -3,12 +3,13 @@ its --metrics-port listener), sglang-router in front of it, and the operator's m
 traffic every dashboard query, evaluated through Prometheus' HTTP API, returns data. The targets carry
 the labels the rendered PodMonitor gives them (namespace, pod, dsv4_deployment, dsv4_role).
 
-Left out, on purpose: the PD panels (they need a prefill/decode pair moving state; their series are
-checked by name in test_monitoring_dashboard.py) and the refused-requests panel (its counter only
-exists once a request is refused)."""
+A prefill/decode pair of `dsv4 serve` processes moves state over Mooncake beside them, so the PD
+panels (transfer bandwidth and time, failures, queues) are fed by real transfers; the refused-requests
+panel reads counters every server starts at 0 for each reason."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import json
 import os
@@ -30,7 +31,6 @@ from .test_monitoring_dashboard import queries
 
 NAME = "dsv4-tiny"
 LABELS = {"namespace": "test", "dsv4_deployment": "demo"}
-SKIPPED_PANELS = ("PD ", "Requests refused before the engine")
 WAIT = 120.0
 
 
@@ -57,12 +57,20 @@ def answers(url: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from dsv4_engine.make_tiny import make_tiny
+    from dsv4_engine.testing import one_thread
+
+    with one_thread():
+        return str(make_tiny(tmp_path_factory.mktemp("prom-ckpt") / "tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def server(tiny: str) -> Iterator[tuple[str, int]]:
     """`dsv4 serve`'s app on the tiny model, in a thread: (base URL, metrics port)."""
     import uvicorn
 
     from dsv4_engine.llm import LLM
-    from dsv4_engine.make_tiny import make_tiny
     from dsv4_engine.server.app import create_app
     from dsv4_engine.server.args import ServerSettings
     from dsv4_engine.server.main import prime_compute_on_main_thread
@@ -71,10 +79,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]
     stack = contextlib.ExitStack()
     stack.enter_context(one_thread())  # spinning intra-op threads on shared cores: many times slower
     prime_compute_on_main_thread()  # as `dsv4 serve` does before its engine thread computes
-    ckpt = make_tiny(tmp_path_factory.mktemp("prom-ckpt") / "tiny", seed=0)
-    llm = LLM(str(ckpt))
+    ckpt = tiny
+    llm = LLM(ckpt)
     port, mport = free_port(), free_port()
-    settings = ServerSettings(model=str(ckpt), served_model_name=NAME, metrics_port=mport)
+    settings = ServerSettings(model=ckpt, served_model_name=NAME, metrics_port=mport)
     srv = uvicorn.Server(
         uvicorn.Config(create_app(settings, lambda: llm.engine), host="127.0.0.1", port=port,
                        log_level="warning", lifespan="on")
@@ -89,6 +97,46 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]
         srv.should_exit = True
         thread.join(30)
         stack.close()
+
+
+def _serve(ckpt: str, log_path: Any, *args: str) -> tuple[subprocess.Popen[bytes], str, int]:
+    """`dsv4 serve` as a process: (process, base URL, metrics port)."""
+    port, mport = free_port(), free_port()
+    cmd = [sys.executable, "-c", "import sys; from dsv4_operator.cli import main; sys.exit(main())", "serve",
+           "--model", ckpt, "--served-model-name", NAME, "--host", "127.0.0.1", "--port", str(port),
+           "--metrics-port", str(mport), "--max-model-len", "1024", "--num-pages", "32", *args]  # fmt: skip
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}", mport
+
+
+@pytest.fixture(scope="module")
+def pd_pair(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A prefill and a decode `dsv4 serve` (bootstrap on `bootstrap_port`), ready."""
+    tmp = tmp_path_factory.mktemp("prom-pd")
+    bootstrap = free_port()
+    procs = {
+        role: _serve(
+            tiny, tmp / f"{role}.log", "--disaggregation-mode", role, "--bootstrap-port", str(bootstrap)
+        )
+        for role in ("prefill", "decode")
+    }
+
+    def ready(role: str) -> bool:
+        proc, base, _ = procs[role]
+        assert proc.poll() is None, (tmp / f"{role}.log").read_text()[-4000:]
+        return answers(f"{base}/health")
+
+    try:
+        for role in procs:
+            until(lambda role=role: ready(role), f"the {role} server to be ready")
+        yield {"bootstrap_port": bootstrap, **procs}
+    finally:
+        for proc, _, _ in procs.values():
+            proc.terminate()
+        for proc, _, _ in procs.values():
+            proc.wait(60)
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +192,7 @@ def prometheus(
     prometheus_bin: str,
     server: tuple[str, int],
     router: tuple[str, int],
+    pd_pair: dict[str, Any],
     operator_metrics: int,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[str]:
@@ -157,6 +206,8 @@ def prometheus(
         "scrape_configs": [
             job("dsv4", server[1], **LABELS, pod="demo-0", dsv4_role="colocated"),
             job("router", router[1], **LABELS, pod="demo-router-0", dsv4_role="router"),
+            job("prefill", pd_pair["prefill"][2], **LABELS, pod="demo-prefill-0", dsv4_role="prefill"),
+            job("decode", pd_pair["decode"][2], **LABELS, pod="demo-decode-0", dsv4_role="decode"),
             job("operator", operator_metrics, namespace="dsv4-system", pod="dsv4-operator-0"),
         ],
     }
@@ -195,11 +246,11 @@ def concrete(expr: str) -> str:
 
 
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(
-    prometheus: str, server: tuple[str, int], router: tuple[str, int]
+    prometheus: str, server: tuple[str, int], router: tuple[str, int], pd_pair: dict[str, Any]
 ) -> None:
     def targets_up() -> bool:
         active = httpx.get(f"{prometheus}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
-        return len(active) == 3 and all(t["health"] == "up" for t in active)
+        return len(active) == 5 and all(t["health"] == "up" for t in active)
 
     until(targets_up, "every target to be scraped")
     body = {"model": NAME, "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
@@ -211,9 +262,21 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
         assert r.status_code == 200, r.text
         sent += 1
 
+    def pd_request() -> None:  # the router's dispatch: the same body, bootstrap fields, to both servers
+        import random
+
+        pd_body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": pd_pair["bootstrap_port"],
+                   "bootstrap_room": random.randrange(2**63)}  # fmt: skip
+        with cf.ThreadPoolExecutor(2) as ex:
+            legs = [ex.submit(httpx.post, f"{pd_pair[r][1]}/v1/completions", json=pd_body, timeout=120)
+                    for r in ("prefill", "decode")]  # fmt: skip
+            for leg in legs:
+                assert leg.result().status_code == 200, leg.result().text
+
     for base in (server[0], router[0]):
         request(base)
-    want = {(title, concrete(e)) for title, e in queries() if not title.startswith(SKIPPED_PANELS)}
+    pd_request()
+    want = {(title, concrete(e)) for title, e in queries()}
     assert len(want) >= 20
     empty: set[tuple[str, str]] = set(want)
 
@@ -226,6 +289,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
                 empty.discard(item)
         if empty and sent < 40:  # keep the rate windows fed until Prometheus has scraped them twice
             request(server[0])
+            pd_request()
             with metrics.timed_reconcile():
                 pass
         return not empty

@@ -409,7 +409,14 @@ async def test_an_rbac_without_pod_monitors_still_reconciles(
     assert condition(emulator, "Degraded").get("status") == "False"
 
 
+POD_MONITORS = {
+    "kind": "PodMonitor", "namespaced": True, "singular": "podmonitor", "shortnames": [], "categories": [],
+    "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"], "subresources": [],
+}  # fmt: skip
+
+
 async def test_pod_monitor_follows_the_spec(emulator: Any, operator: kopf.Memo, api: Api) -> None:
+    emulator.resources["monitoring.coreos.com/v1/podmonitors"] = POD_MONITORS  # the Prometheus Operator's CRD
     body = resource(monitoring={"podMonitor": {"enabled": True, "labels": {"release": "kps"}}})
     await api.create(body)
     await eventually(lambda: ("PodMonitor", NAME) in children(emulator), what="PodMonitor applied")
@@ -422,3 +429,21 @@ async def test_pod_monitor_follows_the_spec(emulator: Any, operator: kopf.Memo, 
                     content_type="application/merge-patch+json")  # fmt: skip
     await eventually(lambda: ("PodMonitor", NAME) not in children(emulator), what="PodMonitor pruned")
     assert ("NetworkPolicy", f"{NAME}-workers") in children(emulator)
+
+
+async def test_a_pod_monitor_the_cluster_cannot_store_is_reported_and_never_sent(
+    emulator: Any, operator: kopf.Memo, api: Api
+) -> None:
+    """No Prometheus Operator: everything else is applied, Degraded names the PodMonitor, and a resync
+    sends nothing for it (the operator asks discovery, instead of retrying the apply every resync)."""
+    await api.create(resource(monitoring={"podMonitor": {"enabled": True}}))
+    await eventually(
+        lambda: condition(emulator, "Degraded").get("reason") == "KindNotServed", what="Degraded"
+    )
+    assert f"PodMonitor/{NAME}" in condition(emulator, "Degraded")["message"]
+    assert ("NetworkPolicy", f"{NAME}-workers") in children(emulator)
+    await rounds(operator, 1)
+    before = len(list(emulator))
+    await rounds(operator, 3)
+    assert write_paths(writes(emulator, before)) == []
+    assert not [r for r in list(emulator) if "podmonitors" in r.url.path and str(r.method).endswith("PATCH")]
