@@ -33,6 +33,8 @@ COPY operator ./operator
 COPY engine ./engine
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
     && pip install ".[engine]" "sglang-router==0.3.2" && rm -rf /src
+# The CPU example's model (examples/cpu-tiny.yaml, model.image.path), baked in: kind needs no volume.
+RUN dsv4 make-tiny /opt/dsv4/models/tiny --seed 0
 USER 65532:65532
 ENTRYPOINT ["dsv4"]
 CMD ["serve", "--help"]
