@@ -40,6 +40,9 @@ class Config:
     lease_name: str = LEASE_NAME
     lease_seconds: float = 15.0
     identity: str = dataclasses.field(default_factory=socket.gethostname)
+    manage_crd: bool = True  # keep the Dsv4Deployment CRD current at start (crd_sync.py)
+    # After the endpoint moves to a new generation, the old one is kept this long (reconcile.py).
+    drain_seconds: float = 30.0
 
     @classmethod
     def from_env(cls) -> Config:
@@ -58,4 +61,6 @@ class Config:
             lease_name=_env("LEASE_NAME", LEASE_NAME),
             lease_seconds=float(_env("LEASE_SECONDS", "15")),
             identity=_env("IDENTITY", os.environ.get("POD_NAME", socket.gethostname())),
+            manage_crd=_flag("MANAGE_CRD", True),
+            drain_seconds=float(_env("DRAIN_SECONDS", "30")),
         )

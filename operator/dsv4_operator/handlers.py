@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import kopf
 
-from . import fingerprint, manifests, metrics, spec, webhook
+from . import crd_sync, fingerprint, manifests, metrics, spec, webhook
 from .config import WEBHOOK_SERVICE, Config
 from .kube import Api, ApiError
 from .lease import Lease
@@ -57,6 +57,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     memo.wakeups = Wakeups()
     memo.api = Api(on_write=metrics.count_write)
     memo.api.use(_connect(settings))
+    if cfg.manage_crd:  # before any watch: the resources are read under the current schema
+        await crd_sync.ensure_current(memo.api)
     memo.lease = None
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port)
@@ -130,12 +132,14 @@ async def reconciler(
         kopf.event(body, type=type_, reason=reason, message=message)
 
     while not stopped:
+        out = None
         if (memo.lease is None or memo.lease.leader) and not deleting(body):
             with metrics.timed_reconcile():
                 try:
                     out = await reconcile(
                         memo.api, body, render=manifests.render, parse=spec.parse,
                         fingerprint=fingerprint.deployment_fingerprint, event=event,
+                        drain_seconds=memo.config.drain_seconds,
                     )  # fmt: skip
                 except (TimeoutError, ApiError, OSError, aiohttp.ClientError) as e:
                     # kopf restarts the daemon after the delay: a retry with a fresh read.
@@ -144,6 +148,9 @@ async def reconciler(
                 logger.info("applied %s, deleted %s, status %s", out.applied, out.deleted, out.status_written)
         else:  # a standby's figures would go stale beside the leader's
             metrics.forget_resource(meta.namespace or "default", meta.name)
-        await memo.wakeups.wait(meta.namespace, meta.name, memo.config.resync_seconds, stopped, settle=0.2)
+        wait = memo.config.resync_seconds
+        if out is not None and out.recheck_in is not None:  # an old generation's drain ends sooner
+            wait = min(wait, out.recheck_in + 0.5)
+        await memo.wakeups.wait(meta.namespace, meta.name, wait, stopped, settle=0.2)
     memo.wakeups.forget(meta.namespace, meta.name)
     metrics.forget_resource(meta.namespace or "default", meta.name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,16 +24,38 @@ Obj = dict[str, Any]
 EventFn = Callable[[str, str, str], None]  # (type, reason, message)
 
 
+# On the endpoint Service once the endpoint has moved: "<previous fingerprint> <unix time>", the time
+# until which that generation is kept. Clients and proxies still send to the old router for a moment
+# after the Service's selector changes (Endpoints and kube-proxy lag); deleting the old generation at
+# once fails those requests (its router loses its workers first: "No prefill workers available").
+DRAIN_ANNOTATION = "dsv4.ai/draining"
+
+
 @dataclass
 class Outcome:
     applied: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     status_written: bool = False
     error: st.Problem | None = None
+    recheck_in: float | None = None  # seconds until a kept generation's drain ends
 
     @property
     def writes(self) -> int:
         return len(self.applied) + len(self.deleted) + int(self.status_written)
+
+
+def draining(endpoint: Obj | None, previous: str | None, serving: str, now: float, drain_seconds: float
+             ) -> tuple[str, float] | None:  # fmt: skip
+    """(generation, until) the endpoint last moved away from: a move now starts the drain; else the
+    one the endpoint Service records (kept after it ends, so the Service's content stays the same)."""
+    if previous and previous != serving:
+        return previous, now + drain_seconds
+    note = ((endpoint or {}).get("metadata", {}).get("annotations") or {}).get(DRAIN_ANNOTATION, "")
+    fp, _, until = note.partition(" ")
+    try:
+        return (fp, float(until)) if fp else None
+    except ValueError:
+        return None
 
 
 def deleting(body: Mapping[str, Any]) -> bool:
@@ -97,6 +120,7 @@ async def reconcile(
     parse: Callable[[Mapping[str, Any]], Any],
     fingerprint: Callable[[Any], str],
     event: EventFn,
+    drain_seconds: float = 0.0,
 ) -> Outcome:
     out = Outcome()
     meta = body["metadata"]
@@ -121,13 +145,22 @@ async def reconcile(
     previous = ((endpoint_live or {}).get("spec") or {}).get("selector", {}).get(ap.LABEL_FINGERPRINT)
 
     rendered = render(dep, serving_fingerprint=serving, namespace=ns)
+    keep = {serving} if serving != current else set()
+    drain = draining(endpoint_live, previous, serving, time.time(), drain_seconds)
+    if drain is not None:
+        for obj in rendered:
+            if (obj["kind"], obj["metadata"]["name"]) == ("Service", name):
+                obj["metadata"].setdefault("annotations", {})[DRAIN_ANNOTATION] = f"{drain[0]} {drain[1]:.0f}"
+        if drain[0] != serving and time.time() < drain[1]:
+            keep.add(drain[0])
+            out.recheck_in = drain[1] - time.time()
     for obj in rendered:
         obj["apiVersion"] = await served_version(api, obj["apiVersion"])
     want = desired(body, rendered)
     if deleting(body):  # the resource may have been deleted while we read
         return out
     await _apply(api, want, by_key, out)
-    await _prune(api, live, want, by_key, out, keep={serving} if serving != current else set(), uid=uid)
+    await _prune(api, live, want, by_key, out, keep=keep, uid=uid)
     endpoint = by_key.get(("Service", name))
     await _write_status(api, body, out, list(by_key.values()), pods, current=current, serving=serving,
                         endpoint=endpoint)  # fmt: skip

@@ -39,6 +39,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lease-name", default=d.lease_name)
     p.add_argument("--lease-seconds", type=float, default=d.lease_seconds)
     p.add_argument("--identity", default=d.identity)
+    p.add_argument("--drain-seconds", type=float, default=d.drain_seconds,
+                   help="after the endpoint moves to a new generation, keep the old one this long "
+                   "(requests already sent to its router finish)")  # fmt: skip
+    p.add_argument("--manage-crd", action=argparse.BooleanOptionalAction, default=d.manage_crd,
+                   help="at start, apply the bundled CRD unless the live one is newer (helm upgrade "
+                   "never updates crds/)")  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -49,7 +55,7 @@ def config(args: argparse.Namespace) -> Config:
         webhook_addr=args.webhook_addr, webhook_port=args.webhook_port, webhook_host=args.webhook_host, webhook_service=args.webhook_service,
         webhook_secret=args.webhook_secret, webhook_config=args.webhook_config, namespace=args.namespace,
         leader_elect=args.leader_elect, lease_name=args.lease_name, lease_seconds=args.lease_seconds,
-        identity=args.identity,
+        identity=args.identity, manage_crd=args.manage_crd, drain_seconds=args.drain_seconds,
     )  # fmt: skip
 
 

@@ -163,7 +163,7 @@ def operator_release(kube: Cluster, node: Node, helm: str) -> dict[str, Any]:
     proc = subprocess.run(
         [helm, "install", RELEASE, str(ROOT / "charts" / "dsv4-operator"), "--namespace", NAMESPACE,
          f"--kubeconfig={kube.kubeconfig}", "--set", "replicaCount=1", "--set", "leaderElection.enabled=false",
-         "--set", "webhook.enabled=false", "--set", "resyncSeconds=5", "--skip-crds"],
+         "--set", "webhook.enabled=false", "--set", "resyncSeconds=5", "--set", "drainSeconds=10", "--skip-crds"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

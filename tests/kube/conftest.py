@@ -63,7 +63,7 @@ def start_operator(cluster: Cluster, procs: list[subprocess.Popen], *extra: str)
     args = [sys.executable, "-m", "dsv4_operator.cli", "operator", "--namespace=dsv4-system",
             *(["--webhook"] if webhook else []), "--webhook-host=127.0.0.1", "--webhook-addr=127.0.0.1", f"--webhook-port={webhook_port}",
             f"--metrics-port={metrics_port}", f"--liveness=http://127.0.0.1:{live_port}/healthz",
-            "--resync-seconds=2", *extra]  # fmt: skip
+            "--resync-seconds=2", "--drain-seconds=5", *extra]  # fmt: skip
     proc = subprocess.Popen(
         args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
     )

@@ -220,7 +220,9 @@ def run_cluster(d: pathlib.Path) -> Iterator[Cluster]:
                 f"--service-account-private-key-file={d / 'sa.key'}",
                 f"--root-ca-file={d / 'certs' / 'apiserver.crt'}",
                 "--controllers=*,-nodelifecycle,-cloud-node-lifecycle", "--bind-address=127.0.0.1",
-                f"--secure-port={kcm_port}"], d / "controller-manager.log", procs)  # fmt: skip
+                # --port=0: no insecure listener (1.20's default is 0.0.0.0:10252, which a second
+                # tier on the machine cannot bind: its controller-manager then exits at once).
+                f"--secure-port={kcm_port}", "--port=0"], d / "controller-manager.log", procs)  # fmt: skip
         c = Cluster(d, server, kubeconfig, operator_kubeconfig, audit_log, bins["kubectl"])
         c.kubectl("apply", "-f", "-", input=crd_yaml(cel=False))
         # Polled, not `kubectl wait`: that errors out at once while the CRD has no status yet.

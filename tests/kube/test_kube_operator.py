@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import yaml
 
 from dsv4_operator import manifests, spec
 from dsv4_operator.fingerprint import deployment_fingerprint
+from dsv4_operator.reconcile import DRAIN_ANNOTATION
 
 pytestmark = [pytest.mark.realk8s, pytest.mark.timeout(240)]
 
@@ -249,9 +251,19 @@ def test_lifecycle(cluster: Any, operator: Any) -> None:
     assert condition(cluster, ns, name, "Ready")["status"] == "True" and selector() == fp  # old keeps serving
     make_ready(cluster, ns, name, new_fp)
     cluster.wait(lambda: selector() == new_fp, 30, "endpoint moved to the new generation")
+    # The old generation drains (--drain-seconds 5) before it goes: the Service records until when,
+    # and the operator's Deleted event comes no earlier.
+    note = children(cluster, ns, name)[("Service", name)]["metadata"]["annotations"][DRAIN_ANNOTATION]
+    drained, until = note.split()
+    assert drained == fp
     cluster.wait(
-        lambda: not [k for k in children(cluster, ns, name) if fp in k[1]], 30, "old generation deleted"
+        lambda: not [k for k in children(cluster, ns, name) if fp in k[1]], 60, "old generation deleted"
     )
+    deleted = [e for e in cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={name}")["items"]
+               if e["reason"] == "Deleted" and fp in e["message"]]  # fmt: skip
+    assert deleted
+    when = max(datetime.fromisoformat(e["lastTimestamp"].replace("Z", "+00:00")).timestamp() for e in deleted)
+    assert when >= float(until) - 1  # event times have a second's resolution
     assert rendered(new) <= set(children(cluster, ns, name))
     events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={name}")["items"]
     assert "EndpointMoved" in {e["reason"] for e in events}
@@ -265,3 +277,84 @@ def test_lifecycle(cluster: Any, operator: Any) -> None:
 def test_operator_metrics_count_reconciles(operator: Any) -> None:
     assert operator.reconciles() > 0
     assert operator.metric("dsv4_operator_reconcile_duration_seconds_count") > 0
+
+
+def _sync_crd(cluster: Any) -> str:
+    """What the operator does at start (crd_sync.ensure_current), with the operator's credentials."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import asyncio, kopf; from dsv4_operator import crd_sync; from dsv4_operator.kube import Api\n"
+    code += "async def main():\n    api = Api(); api.use(kopf.login_with_kubeconfig(settings=kopf.OperatorSettings()))\n"
+    code += "    try: print(await crd_sync.ensure_current(api))\n    finally: await api.close()\n"
+    code += "asyncio.run(main())"
+    env = {**os.environ, "KUBECONFIG": str(cluster.operator_kubeconfig)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_the_crd_is_kept_current_and_never_downgraded(cluster: Any, operator: Any) -> None:
+    """helm upgrade never touches crds/: the operator applies its CRD at start. An older CRD (one
+    without spec.monitoring, an optional field added later) with a resource stored under it: the
+    upgrade keeps that resource valid and reconciled, and the new field is accepted. A CRD from a
+    newer operator is left as it is."""
+    from dsv4_operator import crd_sync
+    from dsv4_operator.crd import load_crd
+
+    name, ann = crd_sync.CRD_NAME, crd_sync.VERSION_ANNOTATION
+    ours = crd_sync.operator_version()
+    # The fixture installs the CRD unstamped (as helm's crds/ does): an operator's start stamped it.
+    assert cluster.get(f"crd/{name}")["metadata"]["annotations"][ann] == ours
+
+    def crd_from(version: str) -> str:
+        old = load_crd(cel=False)
+        del old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+            "monitoring"
+        ]
+        old["metadata"]["annotations"] = {ann: version}
+        old["metadata"]["resourceVersion"] = cluster.get(f"crd/{name}")["metadata"]["resourceVersion"]
+        return yaml.safe_dump(old)
+
+    def has_monitoring() -> bool:
+        schema = cluster.get(f"crd/{name}")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        return "monitoring" in schema["properties"]["spec"]["properties"]
+
+    ns = "crd-upgrade"
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        cluster.kubectl("replace", "-f", "-", input=crd_from("0.0.1"))
+        assert not has_monitoring()
+        body = load(ROOT / "examples" / "cpu-tiny.yaml", ns, "stored-old")
+        apply(cluster, body)
+        cluster.wait(
+            lambda: rendered(body) <= set(children(cluster, ns, "stored-old")), 60, "reconciled, old CRD"
+        )
+
+        assert _sync_crd(cluster) == "applied"
+        assert has_monitoring() and cluster.get(f"crd/{name}")["metadata"]["annotations"][ann] == ours
+        cluster.kubectl("annotate", "dsv4", "stored-old", "-n", ns, "touched=1")  # still valid, still served
+        newer = load(ROOT / "examples" / "cpu-tiny.yaml", ns, "uses-new-field")
+        newer["spec"]["monitoring"] = {"podMonitor": {"enabled": False}}
+        text = yaml.safe_dump(newer)
+
+        def accepted() -> bool:
+            return cluster.kubectl("apply", "-f", "-", input=text, check=False).returncode == 0
+
+        # kubectl validates against the OpenAPI the API server republishes a moment after the CRD changes.
+        cluster.wait(accepted, 60, "a resource using the new field to be accepted")
+        cluster.wait(
+            lambda: rendered(newer) <= set(children(cluster, ns, "uses-new-field")), 60, "reconciled"
+        )
+        assert _sync_crd(cluster) == "current"
+
+        cluster.kubectl("delete", "dsv4", "uses-new-field", "-n", ns)
+        cluster.kubectl("replace", "-f", "-", input=crd_from("999.0.0"))
+        assert _sync_crd(cluster) == "newer" and not has_monitoring()  # a newer operator's: left alone
+    finally:
+        unstamped = load_crd(cel=False)
+        unstamped["metadata"]["resourceVersion"] = cluster.get(f"crd/{name}")["metadata"]["resourceVersion"]
+        cluster.kubectl("replace", "-f", "-", input=yaml.safe_dump(unstamped))
+        assert _sync_crd(cluster) == "applied" and has_monitoring()
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")

@@ -144,7 +144,7 @@ async def running_operator(config: Config) -> AsyncIterator[kopf.Memo]:
 async def operator(emulator: Any) -> AsyncIterator[kopf.Memo]:
     logging.getLogger("kopf").setLevel(logging.WARNING)
     logging.getLogger("kopf.objects").setLevel(logging.INFO)
-    async with running_operator(Config(resync_seconds=0.5)) as memo:
+    async with running_operator(Config(resync_seconds=0.5, manage_crd=False, drain_seconds=0)) as memo:
         yield memo
 
 

@@ -113,14 +113,27 @@ class PodWorker:
 
     def _hosts(self) -> Obj:
         """The kubelet-managed /etc/hosts, plus the `kubernetes` Service's names: this tier has no
-        cluster DNS, and in-cluster clients (kopf) dial kubernetes.default.svc."""
+        cluster DNS, and in-cluster clients (kopf) dial kubernetes.default.svc. Standing in for DNS,
+        every other Service with a ready endpoint at the container's start is named too, resolving
+        to one endpoint pod's address: right only where the Service port is the target port (there
+        is no proxy), which holds for the Services a chart's `helm test` pod reaches."""
         assert self.sandbox is not None
         path = self.dir / "hosts"
         names = "kubernetes kubernetes.default kubernetes.default.svc kubernetes.default.svc.cluster.local"
-        path.write_text(
-            f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-            f"{self.sandbox.ip}\t{self.pod['metadata']['name']}\n{API_SERVICE_IP}\t{names}\n"
-        )
+        lines = [
+            "127.0.0.1\tlocalhost",
+            "::1\tlocalhost ip6-localhost ip6-loopback",
+            f"{self.sandbox.ip}\t{self.pod['metadata']['name']}",
+            f"{API_SERVICE_IP}\t{names}",
+        ]
+        own = self.pod["metadata"]["namespace"]
+        for ep in self.api.get("/api/v1/endpoints").get("items", []):
+            svc, ns = ep["metadata"]["name"], ep["metadata"]["namespace"]
+            ips = [a["ip"] for s in ep.get("subsets") or [] for a in s.get("addresses") or []]
+            if ips and (svc, ns) != ("kubernetes", "default"):
+                short = f"{svc} {svc}.{ns} " if ns == own else f"{svc}.{ns} "
+                lines.append(f"{ips[0]}\t{short}{svc}.{ns}.svc {svc}.{ns}.svc.cluster.local")
+        path.write_text("\n".join(lines) + "\n")
         return {"source": str(path), "target": "/etc/hosts", "readOnly": False}
 
     def _get(self, kind: str, ns: str, name: str) -> Obj:
@@ -151,8 +164,16 @@ class PodWorker:
         def cond(kind: str, ok: bool) -> Obj:
             return {"type": kind, "status": "True" if ok else "False"}
 
+        phase = "Running" if running else "Pending"
+        policy = self.pod["spec"].get("restartPolicy", "Always")
+        ended = [c.terminated for c in self.containers]
+        if policy != "Always" and all(t is not None for t in ended):  # a pod that runs to an end
+            if all(t["exitCode"] == 0 for t in ended):  # type: ignore[index]
+                phase = "Succeeded"
+            elif policy == "Never":
+                phase = "Failed"
         status: Obj = {
-            "phase": "Running" if running else "Pending",
+            "phase": phase,
             "hostIP": GATEWAY,
             "podIP": self.sandbox.ip if self.sandbox else None,
             "podIPs": [{"ip": self.sandbox.ip}] if self.sandbox else None,
