@@ -25,16 +25,7 @@ from pathlib import Path
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-
-def default_model() -> Path:
-    root = Path(os.environ.get("DSV4_CACHE", Path.home() / ".cache" / "dsv4"))
-    path = root / "models" / "small"
-    if not (path / "config.json").exists():
-        from dsv4_engine.make_tiny import make_tiny
-
-        print(f"writing the small preset to {path} (once)")
-        make_tiny(path, seed=0, preset="small")
-    return path
+from throughput import default_model  # bench/ is the script's directory: on sys.path
 
 
 def first_request_ms(model: Path, tp: int, ep: int, prewarm: bool, prompt: list[int]) -> tuple[float, float]:

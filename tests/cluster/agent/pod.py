@@ -8,6 +8,7 @@ import json
 import logging
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from .netns import API_SERVICE_IP, GATEWAY, NodeNet, PodNet
 
 Obj = dict[str, Any]
 TICK = 0.2  # how often a pod's processes and due probes are looked at
+REPO = Path(__file__).resolve().parents[3]  # the checkout the venv's editable install points into
 log = logging.getLogger("agent.pod")
 
 
@@ -103,6 +105,9 @@ class PodWorker:
                 "env": env,
                 "mounts": [*podspec.mounts(c.spec, volumes, image), self._hosts()],
                 "workingDir": c.spec.get("workingDir") or "/",
+                # What "the image" is on this machine: a volume mounted over a parent of these
+                # (an emptyDir at /tmp, with the checkout under /tmp) must not hide them.
+                "keep": [sys.prefix, str(REPO)],
             }
         except (podspec.PodError, KeyError) as exc:  # e.g. a Secret not created yet: retried
             c.waiting = {"reason": "CreateContainerConfigError", "message": str(exc)}

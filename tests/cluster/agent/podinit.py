@@ -57,6 +57,7 @@ def main(plan_path: str) -> None:
     # Sources are opened before anything is mounted: a volume over /tmp would hide the pod's own
     # directory (and the test's checkpoint) if they live under /tmp.
     sources = [os.open(m["source"], os.O_PATH) for m in todo]
+    keep = [(p, os.open(p, os.O_PATH)) for p in plan.get("keep", []) if os.path.isdir(p)]
     overlays: list[str] = []
     for m in todo:  # every mount point first, while the scratch directory is still visible
         _ensure(os.path.realpath(m["target"]), os.path.isdir(m["source"]), overlays, plan["scratch"])
@@ -65,7 +66,12 @@ def main(plan_path: str) -> None:
         _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
         if m["readOnly"]:
             _mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
-    for fd in sources:
+    targets = [os.path.realpath(m["target"]) for m in todo]
+    for path, fd in keep:  # the image's own files, where a volume went over a parent of them
+        if any(path.startswith(f"{t}/") for t in targets):
+            os.makedirs(path, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+    for fd in [*sources, *(fd for _, fd in keep)]:
         os.close(fd)
     os.chdir(plan.get("workingDir") or "/")
     argv = plan["argv"]
