@@ -8,7 +8,7 @@ one method with a fixed-shape input that a graph runner can take over.
 
 What the forwards need of a step is a `StepPlan`: row indices, positions and token ids, no
 `Sequence`. On a parallel server rank 0 sends it (with its allocator's changes since the last step)
-to the other ranks, whose runners run the same `forward` over their shard (parallel/worker.py);
+to the other ranks, whose runners run the same `forward` over their shard (ranks.py);
 sampling and logprobs are rank 0's alone.
 """
 
@@ -74,7 +74,7 @@ class StepPlan:
 
 
 class Followers(Protocol):
-    """The other ranks of a parallel server, as rank 0's runner sees them (parallel/worker.py)."""
+    """The other ranks of a parallel server, as rank 0's runner sees them (ranks.py)."""
 
     def send(self, journal: list[tuple[str, tuple]], step: StepPlan) -> None: ...
 
@@ -106,7 +106,7 @@ class ModelRunner:
         self.extend_ops = ExtendOps(kernels=kernels)
         self._decode_runner: DecodeGraphRunner | None = None  # built on first use
         self._caches: dict[str, PagedSeqCache] = {}  # request id -> its view of its pages
-        # Rank 0 of a parallel server: where each step goes before its forward (parallel/worker.py).
+        # Rank 0 of a parallel server: where each step goes before its forward (ranks.py).
         self.followers: Followers | None = None
         # Test hook: request id -> digest of the first logits row the runner computed for it (on a PD
         # decode server, the first decode step's: it shows which state that step read).

@@ -1,2 +1,2 @@
 """Tensor and expert parallelism: process groups (groups.py), which part of each weight a rank
-holds (shard.py), and the ranks that follow rank 0's steps (worker.py, launch.py)."""
+holds (shard.py). The processes of the ranks, and how they follow rank 0's steps: ../ranks.py."""

@@ -1,7 +1,7 @@
 """The ranks of one server and the process groups they share.
 
 A server of tp_size N runs N processes, one per rank; rank 0 serves HTTP, schedules and samples,
-the others run the same forwards (parallel/worker.py). Two groups span the N ranks:
+the others run the same forwards (ranks.py). Two groups span the N ranks:
 - the device group (gloo on CPU, HCCL on NPU, NCCL on GPU) carries the forward's all-reduces;
 - the CPU group (always gloo) carries rank 0's step messages, which are Python objects.
 Every rank sums its partial outputs in the same all-reduce, so every rank ends a layer with the
