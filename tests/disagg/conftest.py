@@ -182,6 +182,27 @@ def send_pair(
         return p.result(), d.result()
 
 
+def generate(server: Server, prompt: list[int], max_new_tokens: int, **params: Any) -> list[int]:
+    """One server's `/generate` output ids (a colocated reference)."""
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, **params}}
+    return server.post("/generate", json=body).json()["output_ids"]
+
+
+def pd_generate(
+    prefill: Server, decode: Server, prompt: list[int], max_new_tokens: int, **params: Any
+) -> list[int]:
+    """The same `/generate` through a prefill/decode pair: the decode's output ids, after checking
+    both legs answered and the prefill made exactly the first token."""
+    body = pd_body(
+        prefill, {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, **params}}
+    )
+    p, d = send_pair(prefill, decode, body, "/generate")
+    assert p.status_code == 200, p.text
+    assert d.status_code == 200, d.text
+    assert p.json()["output_ids"] == d.json()["output_ids"][:1]  # the prefill made exactly the first token
+    return d.json()["output_ids"]
+
+
 def settle(*servers: Server, initial: dict[str, dict[str, float]], timeout: float = 90.0) -> None:
     """Wait until every server's pools are back at their initial free counts and nothing is queued."""
 
@@ -213,7 +234,13 @@ def pd() -> Any:
     import types
 
     return types.SimpleNamespace(
-        send_pair=send_pair, pd_body=pd_body, settle=settle, wait_healthy=wait_healthy, wait_until=wait_until
+        send_pair=send_pair,
+        pd_body=pd_body,
+        settle=settle,
+        wait_healthy=wait_healthy,
+        wait_until=wait_until,
+        generate=generate,
+        pd_generate=pd_generate,
     )
 
 

@@ -34,21 +34,6 @@ def cluster(spawn: Any, pd: Any) -> dict[str, Any]:
     return servers
 
 
-def _generate(server: Any, prompt: list[int], **params: Any) -> list[int]:
-    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_TOKENS, **params}}
-    return server.post("/generate", json=body).json()["output_ids"]
-
-
-def _pd_generate(prefill: Any, decode: Any, prompt: list[int], pd: Any, **params: Any) -> list[int]:
-    body = pd.pd_body(
-        prefill, {"input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_TOKENS, **params}}
-    )
-    p, d = pd.send_pair(prefill, decode, body, "/generate")
-    assert p.status_code == 200, p.text
-    assert d.status_code == 200, d.text
-    return d.json()["output_ids"]
-
-
 @pytest.mark.parametrize(("prefill", "decode"), PAIRS)
 def test_pd_between_parallel_servers_equals_colocated(
     cluster: dict[str, Any], pd: Any, prefill: str, decode: str
@@ -56,18 +41,19 @@ def test_pd_between_parallel_servers_equals_colocated(
     greedy = {"temperature": 0, "ignore_eos": True}
     seeded = {"temperature": 1.0, "top_p": 0.9, "sampling_seed": 7, "ignore_eos": True}
     with cf.ThreadPoolExecutor(3) as ex:
-        want = list(ex.map(lambda n: _generate(cluster["C"], random_ids(n, seed=n), **greedy), LENGTHS))
+        want = list(
+            ex.map(lambda n: pd.generate(cluster["C"], random_ids(n, seed=n), MAX_TOKENS, **greedy), LENGTHS)
+        )
         got = list(
             ex.map(
-                lambda n: _pd_generate(
-                    cluster[prefill], cluster[decode], random_ids(n, seed=n), pd, **greedy
+                lambda n: pd.pd_generate(
+                    cluster[prefill], cluster[decode], random_ids(n, seed=n), MAX_TOKENS, **greedy
                 ),
                 LENGTHS,
             )
         )
     assert got == want
     prompt = random_ids(300, seed=3)
-    assert _pd_generate(cluster[prefill], cluster[decode], prompt, pd, **seeded) == _generate(
-        cluster["C"], prompt, **seeded
-    )
+    got_seeded = pd.pd_generate(cluster[prefill], cluster[decode], prompt, MAX_TOKENS, **seeded)
+    assert got_seeded == pd.generate(cluster["C"], prompt, MAX_TOKENS, **seeded)
     pd.settle(cluster[prefill], cluster[decode], initial=cluster["initial"])

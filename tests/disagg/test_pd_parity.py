@@ -50,27 +50,19 @@ def pd_completion(prefill: Any, decode: Any, prompt: list[int], pd: Any, **param
         return p.result(), d.result()
 
 
-def colocated(server: Any, prompt: list[int], **params: Any) -> list[int]:
-    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_TOKENS, **params}}
-    return server.post("/generate", json=body).json()["output_ids"]
+def colocated(server: Any, prompt: list[int], pd: Any, **params: Any) -> list[int]:
+    return pd.generate(server, prompt, MAX_TOKENS, **params)
 
 
 def pd_generate(prefill: Any, decode: Any, prompt: list[int], pd: Any, **params: Any) -> list[int]:
-    body = pd.pd_body(
-        prefill, {"input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_TOKENS, **params}}
-    )
-    p, d = pd.send_pair(prefill, decode, body, "/generate")
-    assert p.status_code == 200, p.text
-    assert d.status_code == 200, d.text
-    assert p.json()["output_ids"] == d.json()["output_ids"][:1]  # the prefill made exactly the first token
-    return d.json()["output_ids"]
+    return pd.pd_generate(prefill, decode, prompt, MAX_TOKENS, **params)
 
 
 @pytest.fixture(scope="module")
-def references(cluster: dict[str, Any]) -> dict[int, list[int]]:
+def references(cluster: dict[str, Any], pd: Any) -> dict[int, list[int]]:
     greedy = {"temperature": 0, "ignore_eos": True}
     with cf.ThreadPoolExecutor(4) as ex:
-        outs = ex.map(lambda n: colocated(cluster["C"], random_ids(n, seed=n), **greedy), LENGTHS)
+        outs = ex.map(lambda n: colocated(cluster["C"], random_ids(n, seed=n), pd, **greedy), LENGTHS)
         return dict(zip(LENGTHS, outs, strict=True))
 
 
@@ -127,11 +119,12 @@ def test_seeded_sampling_equals_colocated(cluster: dict[str, Any], pd: Any) -> N
     sampling = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "sampling_seed": 1234, "ignore_eos": True}
     for n in (17, 300):
         prompt = random_ids(n, seed=n + 1)
-        want = colocated(cluster["C"], prompt, **sampling)
+        want = colocated(cluster["C"], prompt, pd, **sampling)
         assert pd_generate(cluster["P128"], cluster["D1"], prompt, pd, **sampling) == want
         assert pd_generate(cluster["P2048"], cluster["D2"], prompt, pd, **sampling) == want
     assert (
-        len(set(map(tuple, [want, colocated(cluster["C"], prompt, **{**sampling, "sampling_seed": 1})]))) == 2
+        len(set(map(tuple, [want, colocated(cluster["C"], prompt, pd, **{**sampling, "sampling_seed": 1})])))
+        == 2
     )
 
 
@@ -144,8 +137,8 @@ def test_penalties_bias_min_p_and_min_tokens_equal_colocated(cluster: dict[str, 
         "min_p": 0.05, "logit_bias": {"40": 6.0}, "min_new_tokens": 5,
     }  # fmt: skip
     prompt = random_ids(140, seed=41)
-    want = colocated(cluster["C"], prompt, **sampling)
-    assert len(want) >= 5 and want != colocated(cluster["C"], prompt, **plain)
+    want = colocated(cluster["C"], prompt, pd, **sampling)
+    assert len(want) >= 5 and want != colocated(cluster["C"], prompt, pd, **plain)
     assert pd_generate(cluster["P128"], cluster["D1"], prompt, pd, **sampling) == want
     pd.settle(cluster["P128"], cluster["D1"], initial=cluster["initial"])
 
