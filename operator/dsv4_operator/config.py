@@ -36,6 +36,8 @@ class Config:
     webhook_secret: str = WEBHOOK_SECRET
     webhook_config: str = WEBHOOK_CONFIG
     namespace: str = "default"  # where the operator runs: its Secret and Lease live here
+    # The namespaces served (empty: every one); the webhook is registered for these only.
+    watch_namespaces: tuple[str, ...] = ()
     leader_elect: bool = False
     lease_name: str = LEASE_NAME
     lease_seconds: float = 15.0
@@ -57,6 +59,7 @@ class Config:
             webhook_secret=_env("WEBHOOK_SECRET", WEBHOOK_SECRET),
             webhook_config=_env("WEBHOOK_CONFIG", WEBHOOK_CONFIG),
             namespace=_env("NAMESPACE", os.environ.get("POD_NAMESPACE", "default")),
+            watch_namespaces=tuple(n for n in _env("WATCH_NAMESPACES", "").split(",") if n),
             leader_elect=_flag("LEADER_ELECT", False),
             lease_name=_env("LEASE_NAME", LEASE_NAME),
             lease_seconds=float(_env("LEASE_SECONDS", "15")),

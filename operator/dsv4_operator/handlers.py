@@ -63,7 +63,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port)
     if cfg.webhook:
-        await _serve_webhook(settings, memo.api, cfg)
+        await _serve_webhook(settings, memo.api, cfg, logger)
     else:  # kopf insists on a server while admission handlers exist: loopback, unregistered
         settings.admission.server = kopf.WebhookServer(addr="127.0.0.1", host="127.0.0.1", insecure=True)
     if cfg.leader_elect:
@@ -72,18 +72,30 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
         memo.lease_task = asyncio.create_task(memo.lease.run())
 
 
-async def _serve_webhook(settings: kopf.OperatorSettings, api: Api, cfg: Config) -> None:
+async def _serve_webhook(
+    settings: kopf.OperatorSettings, api: Api, cfg: Config, logger: logging.Logger | logging.LoggerAdapter
+) -> None:
     if cfg.webhook_service:  # the name an API server's certificate check expects for a Service
         hosts = [f"{cfg.webhook_service}.{cfg.namespace}.svc"]
     else:
         hosts = [cfg.webhook_host or f"{WEBHOOK_SERVICE}.{cfg.namespace}.svc"]
     cert, key = await webhook.shared_certificate(api, cfg.namespace, cfg.webhook_secret, hosts)
+    for ns in await webhook.unlabelled(api, cfg.watch_namespaces):
+        logger.warning(
+            "namespace %s has no label %s=%s (Kubernetes 1.21+ sets it): this release's webhook "
+            "will not judge its resources until it is labelled", ns, webhook.NAMESPACE_NAME_LABEL, ns,
+        )  # fmt: skip
+
+    async def registered(client_config: dict[str, Any]) -> None:
+        hooks = webhook.webhooks(HOOKS, cfg.webhook_config, client_config, cfg.watch_namespaces)
+        await webhook.register(api, cfg.webhook_config, hooks)
+
     folder = pathlib.Path(tempfile.mkdtemp(prefix="dsv4-webhook-"))
     settings.admission.server = webhook.server(
         cert, key, directory=folder, addr=cfg.webhook_addr, port=cfg.webhook_port, host=hosts[0],
-        service=(cfg.namespace, cfg.webhook_service) if cfg.webhook_service else None,
+        service=(cfg.namespace, cfg.webhook_service) if cfg.webhook_service else None, on_config=registered,
     )  # fmt: skip
-    settings.admission.managed = cfg.webhook_config
+    # settings.admission.managed stays None: the configuration is ours to write (webhook.py says why).
 
 
 @kopf.on.cleanup()
@@ -99,9 +111,19 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     return memo.api.info
 
 
+# The validation handlers, as registered with the API server (webhook.webhooks): one, the spec model.
+SPEC_HOOK = webhook.Hook("spec", GROUP, VERSION, PLURAL, ("CREATE", "UPDATE"))
+HOOKS = (SPEC_HOOK,)
+
+
 # persistent: an exiting replica leaves the registration alone (the Service still reaches the others).
-@kopf.on.validate(GROUP, VERSION, PLURAL, id="spec", operations=["CREATE", "UPDATE"], persistent=True)
-def validate_spec(body: kopf.Body, **_: Any) -> None:
+@kopf.on.validate(
+    GROUP, VERSION, PLURAL, id=SPEC_HOOK.id, operations=list(SPEC_HOOK.operations), persistent=True
+)
+def validate_spec(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    watched = memo.config.watch_namespaces
+    if watched and body.metadata.namespace not in watched:
+        return  # another release's to judge (a registration without namespaceSelector sent it)
     webhook.validate(body, spec.parse)
 
 

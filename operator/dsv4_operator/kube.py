@@ -196,6 +196,13 @@ class Api:
             content_type="application/merge-patch+json",
         )  # fmt: skip
 
+    async def merge_patch(self, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> Obj:
+        """A JSON merge patch of `obj` (lists in it replace the object's whole lists)."""
+        return await self._write(
+            "patch", obj["kind"], "PATCH", object_path(obj), body=patch,
+            content_type="application/merge-patch+json",
+        )  # fmt: skip
+
     async def create(self, obj: Mapping[str, Any]) -> Obj:
         meta = obj["metadata"]
         url = path(obj["apiVersion"], obj["kind"], meta.get("namespace"))

@@ -54,6 +54,7 @@ def config(args: argparse.Namespace) -> Config:
         resync_seconds=args.resync_seconds, metrics_port=args.metrics_port, webhook=args.webhook,
         webhook_addr=args.webhook_addr, webhook_port=args.webhook_port, webhook_host=args.webhook_host, webhook_service=args.webhook_service,
         webhook_secret=args.webhook_secret, webhook_config=args.webhook_config, namespace=args.namespace,
+        watch_namespaces=tuple(dict.fromkeys(args.watch_namespace)),
         leader_elect=args.leader_elect, lease_name=args.lease_name, lease_seconds=args.lease_seconds,
         identity=args.identity, manage_crd=args.manage_crd, drain_seconds=args.drain_seconds,
     )  # fmt: skip
@@ -76,7 +77,7 @@ def main(argv: list[str]) -> int:
             handler.addFilter(QuietWakeups())
     from . import handlers  # registers the handlers with kopf's default registry
 
-    namespaces = list(args.watch_namespace)
+    namespaces = list(dict.fromkeys(args.watch_namespace))
     asyncio.run(
         kopf.operator(
             registry=kopf.get_default_registry(),

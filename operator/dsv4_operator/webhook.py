@@ -1,16 +1,26 @@
 """Validating admission for clusters without CEL: the same spec model the operator reconciles with.
 
 The serving certificate is generated once and kept in one Secret, so every replica serves the same
-certificate and the caBundle kopf writes into the ValidatingWebhookConfiguration never flaps.
+certificate and the caBundle in the ValidatingWebhookConfiguration never flaps.
+
+The operator writes that configuration itself, not kopf (`settings.admission.managed` stays unset):
+kopf's writes carry no `namespaceSelector` and replace the whole `webhooks` list (a JSON merge
+patch), at each replica's start and again as it exits, so a selector added after it would be gone
+in every such window, and for good once the last replica is gone. A release that watches some
+namespaces registers a webhook for those namespaces only: two releases side by side never judge
+each other's resources, and one release being down never blocks the other's namespaces.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import copy
+import dataclasses
 import datetime
 import ipaddress
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -21,6 +31,25 @@ from cryptography.x509.oid import NameOID
 
 from .kube import Api, ApiError
 
+# The label every namespace carries with its own name (the API server sets it, from Kubernetes 1.21;
+# on 1.20 whoever creates the namespace must): what a webhook's namespaceSelector can match on.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+CONFIG_API_VERSION = "admissionregistration.k8s.io/v1"
+CONFIG_KIND = "ValidatingWebhookConfiguration"
+TIMEOUT_SECONDS = 30  # the most the API allows; what kopf registers too
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """One kopf validation handler, as the API server must be told about it. kopf serves each
+    handler at the path /ID of its server, which is where `webhooks` points the API server."""
+
+    id: str
+    group: str
+    version: str
+    plural: str
+    operations: tuple[str, ...]
+
 
 def validate(body: Mapping[str, Any], parse: Any) -> None:
     """Reject a resource the spec model rejects; the message names each field."""
@@ -28,6 +57,88 @@ def validate(body: Mapping[str, Any], parse: Any) -> None:
         parse(dict(body))
     except ValueError as e:
         raise kopf.AdmissionError(str(e), code=422) from e
+
+
+def namespace_selector(namespaces: Iterable[str]) -> dict[str, Any] | None:
+    """Only these namespaces; None (every namespace) for a cluster-wide operator."""
+    names = sorted(set(namespaces))
+    if not names:
+        return None
+    return {"matchExpressions": [{"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": names}]}
+
+
+def webhooks(
+    hooks: Iterable[Hook], name: str, client_config: Mapping[str, Any], namespaces: Iterable[str] = ()
+) -> list[dict[str, Any]]:
+    """The `webhooks` of configuration `name`: kopf's own conventions (tests/operator compares them
+    with kopf's), plus the namespaceSelector of the namespaces served."""
+    selector = namespace_selector(namespaces)
+    out = []
+    for hook in hooks:
+        cc = copy.deepcopy(dict(client_config))
+        if "url" in cc:
+            cc["url"] = f"{cc['url'].rstrip('/')}/{hook.id}"
+        if "service" in cc:
+            cc["service"]["path"] = f"{cc['service'].get('path', '')}/{hook.id}"
+        entry: dict[str, Any] = {
+            "name": f"{hook.id}.{name}",
+            "sideEffects": "None",
+            "failurePolicy": "Fail",
+            "matchPolicy": "Equivalent",
+            "rules": [{"apiGroups": [hook.group], "apiVersions": [hook.version], "resources": [hook.plural],
+                       "operations": list(hook.operations), "scope": "*"}],
+            "clientConfig": cc,
+            "timeoutSeconds": TIMEOUT_SECONDS,
+            "admissionReviewVersions": ["v1", "v1beta1"],
+        }  # fmt: skip
+        if selector is not None:
+            entry["namespaceSelector"] = selector
+        out.append(entry)
+    return out
+
+
+# Errors worth another try at start (the API server restarting, throttling); others are final.
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+async def register(api: Api, name: str, hooks: list[dict[str, Any]], *, attempts: int = 5) -> None:
+    """Create configuration `name` with these webhooks, or replace its webhooks (the chart creates
+    the object empty, so that `helm uninstall` removes it)."""
+    body = {
+        "apiVersion": CONFIG_API_VERSION,
+        "kind": CONFIG_KIND,
+        "metadata": {"name": name},
+        "webhooks": hooks,
+    }
+    for attempt in range(attempts):
+        try:
+            try:
+                await api.create(body)
+            except ApiError as e:
+                if e.status != 409:
+                    raise
+                await api.merge_patch(body, {"webhooks": hooks})
+            return
+        except ApiError as e:
+            if e.status not in RETRY_STATUSES or attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.5 * 2**attempt)
+
+
+async def unlabelled(api: Api, namespaces: Iterable[str]) -> list[str]:
+    """The namespaces a namespaceSelector on NAMESPACE_NAME_LABEL would miss (Kubernetes 1.20)."""
+    missing = []
+    for ns in sorted(set(namespaces)):
+        try:
+            got = await api.get("v1", "Namespace", None, ns)
+        except ApiError as e:
+            if e.status != 403:
+                raise
+            continue  # may not read namespaces (an account other than the chart's): cannot tell
+        labels = ((got or {}).get("metadata") or {}).get("labels") or {}
+        if labels.get(NAMESPACE_NAME_LABEL) != ns:
+            missing.append(ns)
+    return missing
 
 
 def _san(host: str) -> x509.GeneralName:
@@ -114,8 +225,10 @@ async def shared_certificate(
 def server(
     cert: bytes, key: bytes, *, directory: pathlib.Path, addr: str, port: int, host: str,
     service: tuple[str, str] | None = None,
+    on_config: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> kopf.WebhookServer:  # fmt: skip
-    """A TLS admission server; registered by URL (https://host:port), or by `service` (namespace, name)."""
+    """A TLS admission server; registered by URL (https://host:port), or by `service` (namespace, name).
+    `on_config` gets each client config the server yields, before kopf does (the registration)."""
     directory.mkdir(parents=True, exist_ok=True)
     certfile, keyfile = directory / "tls.crt", directory / "tls.key"
     certfile.write_bytes(cert)
@@ -123,26 +236,30 @@ def server(
     keyfile.chmod(0o600)
     tls = {"addr": addr, "port": port, "host": host, "certfile": str(certfile), "pkeyfile": str(keyfile),
            "cadata": cert}  # fmt: skip
-    if service is None:
-        return kopf.WebhookServer(**tls)
-    return ServiceWebhookServer(
-        service_namespace=service[0], service_name=service[1], service_port=port, **tls
-    )
+    svc = None if service is None else {"namespace": service[0], "name": service[1], "port": port}
+    return WebhookServer(service=svc, on_config=on_config, **tls)
 
 
-class ServiceWebhookServer(kopf.WebhookServer):
-    """kopf's webhook server, registered by Service rather than by URL: API servers seldom resolve
-    cluster DNS names, while a `service` reference is what they are built to dial."""
+class WebhookServer(kopf.WebhookServer):
+    """kopf's webhook server, optionally registered by Service rather than by URL (API servers seldom
+    resolve cluster DNS names, while a `service` reference is what they are built to dial), and
+    telling `on_config` of each client config it yields."""
 
     def __init__(
-        self, *, service_namespace: str, service_name: str, service_port: int, **kwargs: Any
-    ) -> None:
+        self, *, service: Mapping[str, Any] | None = None,
+        on_config: Callable[[dict[str, Any]], Awaitable[None]] | None = None, **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(**kwargs)
-        self.service = {"namespace": service_namespace, "name": service_name, "port": service_port}
+        self.service = dict(service) if service else None
+        self.on_config = on_config
 
     async def __call__(self, fn: Any) -> Any:
         async for config in super().__call__(fn):
-            registered: dict[str, Any] = {"service": dict(self.service)}
-            if "caBundle" in config:
-                registered["caBundle"] = config["caBundle"]
+            registered: dict[str, Any] = dict(config)
+            if self.service is not None:
+                registered = {"service": dict(self.service)}
+                if "caBundle" in config:
+                    registered["caBundle"] = config["caBundle"]
+            if self.on_config is not None:
+                await self.on_config(registered)
             yield registered

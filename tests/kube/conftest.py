@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -23,6 +24,22 @@ from realkube import (
     stop_procs,
     wait_until,
 )
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    """helm for the tests that install the chart: DSV4_HELM, PATH, else scripts/get-helm.sh's cache."""
+    found = os.environ.get("DSV4_HELM") or shutil.which("helm")
+    if not found:
+        script = pathlib.Path(__file__).parents[2] / "scripts" / "get-helm.sh"
+        got = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+        found = got.stdout.strip() if got.returncode == 0 else None
+    if not found:
+        reason = "these real-tier tests need helm: run scripts/get-helm.sh (or set DSV4_HELM)"
+        if os.environ.get("DSV4_REQUIRE_REAL_KUBE"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return found  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="session")

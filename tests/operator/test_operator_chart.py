@@ -370,6 +370,12 @@ def test_two_releases_in_two_namespaces_never_collide(helm: str, releases: tuple
                 assert one(objs, kind, obj["roleRef"]["name"])  # binds this release's own role
         assert {o["metadata"]["namespace"] for o in objs if o["kind"] == "Role"} == {ns, watched}
         assert operator_args(objs).watch_namespace == [watched]
+        assert operator_config(objs).watch_namespaces == (watched,)  # what its webhook is registered for
+        # The claim the next release's install reads (dsv4-operator.refuseOverlap; tests/kube tries it).
+        claim = one(objs, "ClusterRole", f"{sa}-{ns}-cluster")["metadata"]["annotations"]
+        assert claim == {"dsv4.ai/watch-namespaces": watched}
+    cluster_wide = one(template(helm), "ClusterRole", f"rel-dsv4-operator-{NS}-cluster")
+    assert cluster_wide["metadata"]["annotations"] == {"dsv4.ai/watch-namespaces": "*"}
 
 
 # -- Values reach the pod ---------------------------------------------------------------------

@@ -121,3 +121,38 @@ cluster-scoped, so per release; a DNS subdomain, hence dots between fullname and
   resources: [events]
   verbs: [create, patch]
 {{- end }}
+
+{{/* What this release serves, recorded on its ClusterRole FULLNAME-NS-cluster for the next release to
+read: the watched namespaces, comma-separated, or "*" for every namespace. */}}
+{{- define "dsv4-operator.watchClaim" -}}
+{{- if .Values.watchNamespaces }}{{ join "," .Values.watchNamespaces }}{{ else }}*{{ end }}
+{{- end }}
+
+{{/* Two releases serving one namespace would both reconcile its resources (each undoing the other's
+writes when their versions differ) and both judge them: install and upgrade fail instead, naming the
+other release. `lookup` reads the cluster during install/upgrade only; `helm template` (and GitOps
+tools that render with it) skips the check. */}}
+{{- define "dsv4-operator.refuseOverlap" -}}
+{{- $mine := .Values.watchNamespaces }}
+{{- range (lookup "rbac.authorization.k8s.io/v1" "ClusterRole" "" "").items }}
+{{- $ann := .metadata.annotations | default dict }}
+{{- if hasKey $ann "dsv4.ai/watch-namespaces" }}
+{{- $name := get $ann "meta.helm.sh/release-name" }}
+{{- $ns := get $ann "meta.helm.sh/release-namespace" }}
+{{- if not (and (eq $name $.Release.Name) (eq $ns $.Release.Namespace)) }}
+{{- $theirs := get $ann "dsv4.ai/watch-namespaces" }}
+{{- $shared := list }}
+{{- if eq $theirs "*" }}
+{{- $shared = list "every namespace" }}
+{{- else if not $mine }}
+{{- $shared = splitList "," $theirs }}
+{{- else }}
+{{- range $mine }}{{ if has . (splitList "," $theirs) }}{{ $shared = append $shared . }}{{ end }}{{ end }}
+{{- end }}
+{{- if $shared }}
+{{- fail (printf "release %s/%s of dsv4-operator already serves %s (its watchNamespaces: %s); the watchNamespaces of two releases must not overlap, and a release with empty watchNamespaces serves every namespace (docs/operator.md, \"Two releases side by side\")" $ns $name (join ", " $shared) (ternary "empty, every namespace" $theirs (eq $theirs "*"))) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
