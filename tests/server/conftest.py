@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -136,3 +137,48 @@ def port() -> int:
 @pytest.fixture(scope="session")
 def free_port_factory() -> Callable[[], int]:
     return free_port
+
+
+class ServeProcess:
+    """`dsv4 serve` as its own process on 127.0.0.1 (what a user runs), its output in `log_path`."""
+
+    def __init__(self, args: list[str], port: int, log_path: Path, env: dict[str, str]) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-c", "import sys; from dsv4_operator.cli import main; sys.exit(main())"]
+        cmd += ["serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+        with log_path.open("wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def healthy(self) -> bool:
+        assert self.proc.poll() is None, f"dsv4 serve exited {self.proc.returncode}:\n{self.log()[-4000:]}"
+        try:
+            return httpx.get(f"{self.base}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def serve_process(tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
+    """Start `dsv4 serve ARGS` (`serve_process(*args, timeout=..., env=...)`), returned once healthy;
+    every one still running is killed at the end of the test."""
+    started: list[ServeProcess] = []
+
+    def start(*args: str, timeout: float = 300.0, env: dict[str, str] | None = None) -> ServeProcess:
+        env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", **(env or {})}
+        server = ServeProcess(list(args), free_port(), tmp_path / f"serve-{len(started)}.log", env)
+        started.append(server)
+        wait_until(server.healthy, timeout, f"dsv4 serve {' '.join(args)} to become healthy")
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

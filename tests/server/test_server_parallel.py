@@ -4,12 +4,8 @@ line naming the rank, in bounded time."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,50 +18,29 @@ from dsv4_engine.testing import random_ids
 TOKENS = 8
 
 
-def _dsv4() -> list[str]:
-    return [sys.executable, "-c", "import sys; from dsv4_operator.cli import main; sys.exit(main())"]
-
-
 def test_tp2_server_serves_and_dies_with_its_rank(
-    tiny_checkpoint: Path, llm: Any, tmp_path: Path, port: int, until: Callable
+    tiny_checkpoint: Path, llm: Any, serve_process: Any
 ) -> None:
-    log_path = tmp_path / "serve.log"
-    cmd = [*_dsv4(), "serve", "--model", str(tiny_checkpoint), "--served-model-name", "tiny", "--tp-size", "2",
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024", "--num-pages", "64",
-           "--dtype", "float32"]  # fmt: skip
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
+    server = serve_process(
+        "--model", str(tiny_checkpoint), "--served-model-name", "tiny", "--tp-size", "2",
+        "--max-model-len", "1024", "--num-pages", "64", "--dtype", "float32",
+    )  # fmt: skip
+    from openai import OpenAI
 
-        def healthy() -> bool:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                return httpx.get(f"{base}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
+    proc, base = server.proc, server.base
+    client = OpenAI(base_url=f"{base}/v1", api_key="none")
+    prompt = random_ids(130, seed=130)
+    want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))[0]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=TOKENS, temperature=0,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.choices[0].text == want.text
+    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    prewarm = re.search(r"^dsv4_process_group_prewarm_seconds (\S+)$", metrics, re.M)
+    assert prewarm is not None and float(prewarm.group(1)) > 0
 
-        until(healthy, 300, "dsv4 serve --tp-size 2 to become healthy")
-        from openai import OpenAI
-
-        client = OpenAI(base_url=f"{base}/v1", api_key="none")
-        prompt = random_ids(130, seed=130)
-        want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))[0]
-        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=TOKENS, temperature=0,
-                                        extra_body={"ignore_eos": True})  # fmt: skip
-        assert out.choices[0].text == want.text
-        metrics = httpx.get(f"{base}/metrics", timeout=10).text
-        prewarm = re.search(r"^dsv4_process_group_prewarm_seconds (\S+)$", metrics, re.M)
-        assert prewarm is not None and float(prewarm.group(1)) > 0
-
-        # The rank is a spawned child (multiprocessing's resource tracker is another child).
-        (rank1,) = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
-        rank1.send_signal(signal.SIGKILL)
-        assert proc.wait(120) == 1
-        text = log_path.read_text()
-        assert re.search(rf"dsv4-rank1 \(pid {rank1.pid}\) died \(killed by SIGKILL\)", text), text[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+    # The rank is a spawned child (multiprocessing's resource tracker is another child).
+    (rank1,) = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    rank1.send_signal(signal.SIGKILL)
+    assert proc.wait(120) == 1
+    text = server.log()
+    assert re.search(rf"dsv4-rank1 \(pid {rank1.pid}\) died \(killed by SIGKILL\)", text), text[-3000:]

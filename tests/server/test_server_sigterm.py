@@ -8,10 +8,7 @@ the machine is; resuming lets it run to its end.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -22,79 +19,57 @@ TOKENS = 48
 NAME = "tiny"
 
 
-def _dsv4() -> list[str]:
-    return [sys.executable, "-c", "import sys; from dsv4_operator.cli import main; sys.exit(main())"]
+def test_sigterm_drains_then_exits_zero(tiny_checkpoint: Path, serve_process: Any, until: Any) -> None:
+    server = serve_process(
+        "--model", str(tiny_checkpoint), "--served-model-name", NAME, "--grace-period", "300",
+        env={"DSV4_TEST_HOOKS": "1"},
+    )  # fmt: skip
+    proc, base = server.proc, server.base
+    assert httpx.post(f"{base}/debug/pause", timeout=120).json()["paused"]
+    result: dict[str, Any] = {"events": []}
 
+    def in_flight() -> None:
+        body = {
+            "model": NAME,
+            "prompt": "Drain me",
+            "max_tokens": TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
+            result["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    result["events"].append(line[6:])
 
-def test_sigterm_drains_then_exits_zero(tiny_checkpoint: Path, tmp_path: Path, port: int, until: Any) -> None:
-    log_path = tmp_path / "serve.log"
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "DSV4_TEST_HOOKS": "1"}
-    cmd = [*_dsv4(), "serve", "--model", str(tiny_checkpoint), "--served-model-name", NAME]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--grace-period", "300"]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
+    worker = threading.Thread(target=in_flight)
+    worker.start()
+    until(
+        lambda: httpx.get(f"{base}/debug/state", timeout=5).json()["open"] == 1,
+        60,
+        "the request to reach the engine",
+    )
+    proc.send_signal(signal.SIGTERM)
+    until(
+        lambda: httpx.get(f"{base}/health", timeout=5).status_code == 503,
+        60,
+        "/health to report draining",
+    )
+    assert httpx.get(f"{base}/health").json()["status"] == "draining"
+    refused = httpx.post(f"{base}/v1/completions", json={"model": NAME, "prompt": "late", "max_tokens": 1})
+    assert refused.status_code == 503
+    assert refused.headers["Retry-After"]
+    assert worker.is_alive(), "the in-flight request ended while the engine was paused"
+    assert proc.poll() is None, "the server exited with a request in flight"
 
-        def healthy() -> bool:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                return httpx.get(f"{base}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        until(healthy, 180, "dsv4 serve to become healthy")
-        assert httpx.post(f"{base}/debug/pause", timeout=120).json()["paused"]
-        result: dict[str, Any] = {"events": []}
-
-        def in_flight() -> None:
-            body = {
-                "model": NAME,
-                "prompt": "Drain me",
-                "max_tokens": TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
-                result["status"] = r.status_code
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        result["events"].append(line[6:])
-
-        worker = threading.Thread(target=in_flight)
-        worker.start()
-        until(
-            lambda: httpx.get(f"{base}/debug/state", timeout=5).json()["open"] == 1,
-            60,
-            "the request to reach the engine",
-        )
-        proc.send_signal(signal.SIGTERM)
-        until(
-            lambda: httpx.get(f"{base}/health", timeout=5).status_code == 503,
-            60,
-            "/health to report draining",
-        )
-        assert httpx.get(f"{base}/health").json()["status"] == "draining"
-        refused = httpx.post(
-            f"{base}/v1/completions", json={"model": NAME, "prompt": "late", "max_tokens": 1}
-        )
-        assert refused.status_code == 503
-        assert refused.headers["Retry-After"]
-        assert worker.is_alive(), "the in-flight request ended while the engine was paused"
-        assert proc.poll() is None, "the server exited with a request in flight"
-
-        httpx.post(f"{base}/debug/resume", timeout=10).raise_for_status()
-        worker.join(600)
-        assert result["status"] == 200 and result["events"][-1] == "[DONE]"
-        usage = json.loads(result["events"][-2])["usage"]
-        assert usage["completion_tokens"] == TOKENS  # it ran to the end, not aborted
-        finals = [json.loads(e)["choices"][0]["finish_reason"] for e in result["events"][:-2]]
-        assert finals[-1] == "length"
-        assert proc.wait(120) == 0, log_path.read_text()
-        assert "draining" in log_path.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+    httpx.post(f"{base}/debug/resume", timeout=10).raise_for_status()
+    worker.join(600)
+    assert result["status"] == 200 and result["events"][-1] == "[DONE]"
+    usage = json.loads(result["events"][-2])["usage"]
+    assert usage["completion_tokens"] == TOKENS  # it ran to the end, not aborted
+    finals = [json.loads(e)["choices"][0]["finish_reason"] for e in result["events"][:-2]]
+    assert finals[-1] == "length"
+    assert proc.wait(120) == 0, server.log()
+    assert "draining" in server.log()
