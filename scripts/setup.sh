@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Mooncake's TCP transport links libibverbs and libnuma even without RDMA hardware; iproute2's `ip`
-# makes the cluster tier's pod network namespaces (tests/cluster).
-apt_pkgs=(libibverbs1 libnuma1 openssl iperf3 prometheus iproute2)
+# makes the cluster tier's pod network namespaces and nftables' `nft` enforces its NetworkPolicies
+# (tests/cluster).
+apt_pkgs=(libibverbs1 libnuma1 openssl iperf3 prometheus iproute2 nftables)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ((${#missing[@]})); then

@@ -6,6 +6,8 @@ Network: the agent's node namespace holds a bridge (10.244.0.1/24) and the API r
 (the `kubernetes` Service's cluster IP); each pod has a veth on the bridge and a 10.244.0.x
 address. The test process stays in the machine's namespace, which carries only loopback; it reaches
 pod addresses from threads that joined the node namespace (`Node.pool`), there being no Service proxy.
+There is no CNI either: the agent enforces NetworkPolicies itself (agent/netpol.py) and records each
+applied generation (`Node.netpol()`); `Node.pod_pool` connects from inside a given pod's namespace.
 
 Needs root (network namespaces, mounts) and helm (scripts/get-helm.sh), besides the real tier's
 binaries; skipped without them unless DSV4_REQUIRE_REAL_KUBE is set.
@@ -13,6 +15,8 @@ binaries; skipped without them unless DSV4_REQUIRE_REAL_KUBE is set.
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import pathlib
 import shutil
@@ -80,6 +84,20 @@ class Node:
     def pool(self, workers: int) -> ThreadPoolExecutor:
         """Threads inside the node namespace: where pod addresses are reachable from."""
         return ThreadPoolExecutor(workers, initializer=netns.enter, initargs=(self.path,))
+
+    def pod_pool(self, pod: dict[str, Any], workers: int = 1) -> ThreadPoolExecutor:
+        """Threads inside `pod`'s own network namespace: connections from there are that pod's, as
+        the node's NetworkPolicy rules see them (the agent names a pod's namespace by its address's
+        index in the pod network, never reused)."""
+        n = int(ipaddress.ip_address(pod["status"]["podIP"])) - int(netns.POD_CIDR.network_address)
+        path = netns.ns_path(f"{self.prefix}-p{n}")
+        return ThreadPoolExecutor(workers, initializer=netns.enter, initargs=(path,))
+
+    def netpol(self) -> dict[str, Any]:
+        """The agent's last applied NetworkPolicy generation: {"generation": N, "isolated": {pod IP:
+        [Allow as a dict, ...]}} (agent/netpol.py), written after its `nft -f` succeeded."""
+        path = self.state / "netpol.json"
+        return json.loads(path.read_text()) if path.exists() else {"generation": 0, "isolated": {}}
 
 
 def sweep(prefix: str) -> None:

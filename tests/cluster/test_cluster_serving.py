@@ -12,6 +12,7 @@ import json
 import os
 import random
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +305,98 @@ def test_the_layout_fingerprint_alone_refuses_a_cross_generation_pair(
         assert p.status_code >= 400, p.text  # the prefill is told, so it ends too
     finally:
         kube.kubectl("delete", "pod", "stray-prefill", "-n", NS, "--ignore-not-found", "--grace-period=5")
+
+
+MONITORING, TEAM = "monitoring", {"dsv4.test/team": "monitoring"}
+PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
+
+
+def _probe(ip: str, port: int) -> str:
+    """'open' or 'refused': a new TCP connection from the calling thread's namespace. The agent's
+    rules refuse with a reset, so a refusal comes at once; the timeout only bounds a hang."""
+    try:
+        socket.create_connection((ip, port), timeout=30).close()
+    except ConnectionRefusedError:
+        return "refused"
+    return "open"
+
+
+def _idle_pod(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    image = yaml.safe_load(EXAMPLE.read_text())["spec"]["image"]  # an image the agent knows
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": MONITORING, "labels": labels},
+            "spec": {"terminationGracePeriodSeconds": 1, "containers": [
+                {"name": "idle", "image": image, "imagePullPolicy": "Never", "command": ["sleep", "infinity"]}]}}  # fmt: skip
+
+
+def _token_ready(kube: Any) -> bool:
+    """The namespace's default ServiceAccount has its token Secret: 1.20's admission refuses pods
+    before that."""
+    got = kube.kubectl("get", "serviceaccount", "default", "-n", MONITORING, "-o", "json", check=False)
+    return got.returncode == 0 and bool(json.loads(got.stdout).get("secrets"))
+
+
+def test_the_network_policy_admits_the_scraper_to_metrics_only(
+    kube: Any, node: Any, deployment: dict[str, Any], until: Any
+) -> None:
+    """spec.networkPolicy on, with a scraper (Prometheus pods of namespaces labelled as monitoring
+    ones), enforced by the agent's nftables rules: the scraper reaches the servers' metrics port and
+    not their generation (or bootstrap) port, another pod of its namespace reaches neither, pods the
+    policy does not select stay open, and the router still serves through the policy."""
+    ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": MONITORING, "labels": TEAM}}
+    kube.kubectl("apply", "-f", "-", input=json.dumps(ns))  # 1.20 has no kubernetes.io/metadata.name
+    patch = {"spec": {"networkPolicy": {"enabled": True}, "monitoring": {"scraper": {
+        "namespaceSelector": {"matchLabels": TEAM}, "podSelector": {"matchLabels": PROMETHEUS}}}}}  # fmt: skip
+    off = {"spec": {"networkPolicy": {"enabled": False}, "monitoring": {"scraper": None}}}  # the example's
+    try:
+        until(lambda: _token_ready(kube), 60, "the monitoring namespace's ServiceAccount token")
+        for name, labels in (("prometheus", PROMETHEUS), ("grafana", {"app.kubernetes.io/name": "grafana"})):
+            kube.kubectl("apply", "-f", "-", input=json.dumps(_idle_pod(name, labels)))
+        ready = lambda name: next((p for p in kube.get("pods", "-n", MONITORING)["items"]  # noqa: E731
+                                   if p["metadata"]["name"] == name and is_ready(p)), None)  # fmt: skip
+        scraper = until(lambda: ready("prometheus"), 120, "the scraper pod to run")
+        other = until(lambda: ready("grafana"), 120, "the other monitoring pod to run")
+        kube.kubectl("patch", "dsv4", NAME, "-n", NS, "--type=merge", "-p", json.dumps(patch))
+        servers = [p for role in ("prefill", "decode") for p in pods(kube, role)]
+        (router,) = pods(kube, "router")
+
+        def enforced() -> bool:
+            """The agent applied a generation where each server admits the scraper on metrics."""
+            isolated = node.netpol()["isolated"]
+            return all(
+                any(scraper["status"]["podIP"] in (a["sources"] or []) and a["port"] == port_of(p, "metrics")
+                    for a in isolated.get(p["status"]["podIP"], []))
+                for p in servers
+            )  # fmt: skip
+
+        until(enforced, 120, "the agent to enforce the rendered NetworkPolicy")
+        assert router["status"]["podIP"] not in node.netpol()["isolated"]
+        with node.pod_pool(scraper) as from_scraper, node.pod_pool(other) as from_other:
+            for p in servers:
+                ip, who = p["status"]["podIP"], p["metadata"]["name"]
+                ports = {c["name"]: c["containerPort"] for c in p["spec"]["containers"][0]["ports"]}
+                url = f"http://{ip}:{ports['metrics']}/metrics"
+                got = from_scraper.submit(httpx.get, url, timeout=30).result(60)
+                assert got.status_code == 200 and "vllm:" in got.text, (who, got.status_code)
+                for name, port in ports.items():  # http, metrics, and bootstrap on prefill
+                    if name != "metrics":
+                        assert from_scraper.submit(_probe, ip, port).result(60) == "refused", (who, name)
+                    assert from_other.submit(_probe, ip, port).result(60) == "refused", (who, name)
+                # Refused by the policy, not closed: the node (whose traffic no policy filters) gets in.
+                assert in_node(node, _probe, ip, ports["http"]) == "open", who
+            # The router, which the policy does not select, stays open to anyone.
+            assert from_other.submit(_probe, router["status"]["podIP"], port_of(router)).result(60) == "open"
+        # Through the policy: router to both servers' HTTP ports, prefill and decode to each other.
+        assert in_node(node, streamed_chat, router_url(kube))
+        # Off again: the agent drops the rules, the servers open to the other pod again.
+        kube.kubectl("patch", "dsv4", NAME, "-n", NS, "--type=merge", "-p", json.dumps(off))
+        until(lambda: not node.netpol()["isolated"], 120, "the agent to drop the rules")
+        with node.pod_pool(other) as from_other:
+            ip = servers[0]["status"]["podIP"]
+            assert from_other.submit(_probe, ip, port_of(servers[0])).result(60) == "open"
+    finally:  # as the example has it, for the scenarios after this one
+        kube.kubectl("patch", "dsv4", NAME, "-n", NS, "--type=merge", "-p", json.dumps(off), check=False)
+        kube.kubectl("delete", "namespace", MONITORING, "--wait=false", "--ignore-not-found")
+    until(lambda: not kube.get("pods", "-n", MONITORING)["items"], 120, "the monitoring pods to go")
 
 
 def test_deleting_the_resource_removes_every_process_and_object(

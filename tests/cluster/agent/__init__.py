@@ -8,5 +8,7 @@ paths bind-mounted from local directories), with the images it knows mapped to t
 (images.py). The machine's own network namespace carries only loopback traffic: the bridge, the
 veths and every pod address live in namespaces the agent creates, and pods reach the API server
 through a relay (relay.py) listening on the `kubernetes` Service's cluster IP inside the node
-namespace. Layout and limits: README.md beside this package.
+namespace. With no CNI here, the agent also does a CNI's policy work (netpol.py): it enforces the
+NetworkPolicies' ingress rules with one nftables table in the node namespace, rewritten whole when a
+policy, pod or namespace changes. Layout and limits: README.md beside this package.
 """

@@ -1,9 +1,10 @@
 """`python -m agent --kubeconfig K --api HOST:PORT --model NAME=DIR... --state-dir S`: run one node.
 
 It registers the Node, binds unscheduled pods to it (standing in for kube-scheduler, which this
-tier does not build), relays the `kubernetes` Service to the API server, and runs every pod bound
-to it (pod.py). SIGTERM or SIGINT stops it: every pod's processes are killed and every namespace
-it made is deleted, the Pods themselves left as a kubelet that goes away leaves them.
+tier does not build), relays the `kubernetes` Service to the API server, runs every pod bound to it
+(pod.py), and enforces the NetworkPolicies' ingress rules between pods as a CNI would (netpol.py).
+SIGTERM or SIGINT stops it: every pod's processes are killed and every namespace it made is deleted
+(the rules with the node's), the Pods themselves left as a kubelet that goes away leaves them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from . import netns
 from .api import Api
 from .images import known_images
+from .netpol import Enforcer
 from .pod import PodWorker
 from .relay import Relay
 
@@ -90,6 +92,7 @@ def main() -> None:
         relay = Relay(net.path, (netns.API_SERVICE_IP, 443), (host, int(port)))
         node_labels = register_node(api, args.node_name)["metadata"].get("labels") or {}
         root = Path(args.state_dir) / "pods"
+        policy = Enforcer(api, net.name, Path(args.state_dir) / "netpol.json")
         log.info("node %s up, netns %s", args.node_name, net.name)
         print("agent: ready", flush=True)
         while not stop.is_set():
@@ -123,6 +126,10 @@ def main() -> None:
                     worker.terminate(0, remove_from_api=False)
                 if worker.done.is_set():
                     del workers[uid]
+            try:
+                policy.sync(pods, {uid: n.ip for uid, n in net.pods.copy().items()})
+            except Exception:  # the API or nft failing now: the last rules stay, the next pass retries
+                log.exception("network policy sync failed")
             stop.wait(SYNC)
     finally:
         for worker in workers.values():
