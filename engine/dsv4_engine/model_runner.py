@@ -105,7 +105,8 @@ class ModelRunner:
         self.kernels = kernels
         self.extend_ops = ExtendOps(kernels=kernels)
         self._decode_runner: DecodeGraphRunner | None = None  # built on first use
-        self._caches: dict[str, PagedSeqCache] = {}  # request id -> its view of its pages
+        # request row -> (the request owning it, its view of its pages): a row's next owner replaces it
+        self._caches: dict[int, tuple[str, PagedSeqCache]] = {}
         # Rank 0 of a parallel server: where each step goes before its forward (ranks.py).
         self.followers: Followers | None = None
         # Test hook: request id -> digest of the first logits row the runner computed for it (on a PD
@@ -141,13 +142,11 @@ class ModelRunner:
     # ---- caches --------------------------------------------------------------------------------
     def _cache(self, request_id: str, req_idx: int, start: int) -> PagedSeqCache:
         """The request's view of its pages, positioned at `start`: a fresh one at its first chunk (or
-        first after a readmission) or on a new row; at most one per row, since a row's next owner
-        drops its previous one."""
-        cache = self._caches.get(request_id)
-        if cache is None or start == 0 or cache.req_idx != req_idx:
-            for rid in [r for r, c in self._caches.items() if c.req_idx == req_idx]:
-                del self._caches[rid]
-            cache = self._caches[request_id] = PagedSeqCache(self.kv_pool, self.allocator, req_idx)
+        first after a readmission) or when the row has a new owner."""
+        owner, cache = self._caches.get(req_idx, (None, None))
+        if cache is None or owner != request_id or start == 0:
+            cache = PagedSeqCache(self.kv_pool, self.allocator, req_idx)
+            self._caches[req_idx] = (request_id, cache)
         cache.num_tokens = start
         cache.new_step()
         return cache
