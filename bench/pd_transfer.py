@@ -6,13 +6,20 @@
 
 This process is the prefill side; it starts the decode side (this script with --serve) as a second
 process. Both build the same paged pools (fp32 on CPU, as the engine uses) and place the request the
-same way a PD pair would: prefill by chunked prefill, decode by pre-allocation. Cases:
+same way a PD pair would: prefill by chunked prefill, decode by pre-allocation. Page layouts:
 - fresh pools: page ids contiguous, so each state type merges into one entry per buffer;
 - fragmented: two other requests grown page by page in turn and one freed before the request arrives,
   on both sides with different offsets, so no two consecutive pages merge (the worst case);
-- fragmented, staged: what a server does with such pages (`transfer.stage_pays` picks it): pack them
-  into one registered buffer (`protocol.stage_segments` with the `kernels/pages.cpp` copy), one
-  entry, the receiver's unpack (both costs included);
+- source contiguous / destination contiguous: fresh pools on one side, fragmented on the other.
+On each, every write path a server has (disagg/transfer.py PATHS), as disagg/prefill.py runs it:
+direct (an entry per run of pages contiguous on both sides); staged (pack into one registered buffer
+with `protocol.stage_segments` and the `kernels/pages.cpp` copy, one entry, the receiver's unpack,
+both costs included); pack_only (packed, then an entry per run of the receiver's pages); unpack_only
+(an entry per run of the sender's pages into the receiver's buffer, then its unpack); and the packing
+paths pipelined (`MooncakeTransport.write_pipelined`: cut into pieces, each packed while the one
+before is on the wire). All cases run round by round, interleaved (the machine's load drifts). The
+path `transfer.choose_write` picks for each layout is marked, and its cost model is set against the
+constants this run measured and against each case's time. Also:
 - ceiling: the same bytes as one entry between two registered buffers, the best Mooncake's TCP
   transport does for this size whatever the plan;
 against memcpy of the same bytes (a torch copy in-process) and `iperf3 -n <same bytes>` on loopback
@@ -38,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +55,23 @@ import torch
 
 from dsv4_engine.disagg.protocol import stage_segments, staged_bytes
 from dsv4_engine.disagg.transfer import (
+    COSTS,
     DEFAULT_MAX_ENTRIES,
+    PACKING,
+    PIECES,
+    UNPACKING,
+    Costs,
     Entries,
     MooncakeTransport,
+    WriteShape,
     apply_env_defaults,
+    choose_write,
+    path_label,
+    plan_packed,
     plan_writes,
-    stage_pays,
+    split_pieces,
+    write_seconds,
+    write_shape,
 )
 from dsv4_engine.memory import Dsv4MemoryLayout, ExtendSpec, PagedMemory, StateType, dsv4_state_payloads
 from dsv4_engine.memory.sizing import fixed_pool_sizes
@@ -62,7 +80,7 @@ from dsv4_engine.memory.state_tail import cdiv
 
 HOST = "127.0.0.1"
 WARMUP = 3  # untimed writes after the first: the next few are still slow (tiny preset: 2 ms, then 0.55)
-TARGETS = {"fresh": 0.70, "fragmented": 0.50}  # of iperf3's bytes/s
+TARGETS = {"fresh": 0.70, "fragmented": 0.50}  # of iperf3's bytes/s (one-sided layouts: fragmented's)
 
 
 # ---- one side's memory -------------------------------------------------------------------------
@@ -144,13 +162,15 @@ class Side:
             rows[idx] = 0
         self.staging.zero_()
 
-    def gather(self) -> None:
-        """Pack the request's pages as a prefill server does (one segment per state type)."""
-        stage_segments(self.mem.kv, list(self.pages.items()), self.staging, gather_pages)
-
-    def scatter(self) -> None:
-        """Unpack them as a decode server does."""
-        stage_segments(self.mem.kv, list(self.pages.items()), self.staging, scatter_pages)
+    def scatter(self, pieces: list[list[Any]] | None = None) -> None:
+        """Unpack them as a decode server does: the (type, lo, hi) segments the prefill sent (default
+        one per state type)."""
+        segments = (
+            list(self.pages.items())
+            if pieces is None
+            else [(StateType(t), self.pages[StateType(t)][lo:hi]) for t, lo, hi in pieces]
+        )
+        stage_segments(self.mem.kv, segments, self.staging, scatter_pages)
 
     def stage_entries(self, peer_stage_ptr: int) -> Entries:
         """The packed pages as one entry, as a server writes them."""
@@ -196,7 +216,7 @@ def serve() -> int:
             reply = {"digest": sides[name].digest()}
         elif op == "scatter":
             t0 = time.perf_counter()
-            sides[name].scatter()
+            sides[name].scatter(cmd.get("pieces"))
             reply = {"seconds": time.perf_counter() - t0}
         print(json.dumps(reply), flush=True)
     for transport in transports:
@@ -282,6 +302,37 @@ class Case:
     nbytes: int
     first: float
     steady: Timing
+    path: str = "direct"  # transfer.path_label
+    pieces: int = 1  # what the write was cut into
+    asked: set[int] = field(default_factory=lambda: {1})  # the pieces asked for (fewer pages: fewer)
+    parts: dict[str, Timing] = field(default_factory=dict)  # pack / write / unpack, where separable
+
+    @property
+    def base(self) -> str:
+        """The path without its pipelining (transfer.PATHS)."""
+        return self.path.removesuffix("_pipelined")
+
+
+# Page layouts of the one request, by (prefill's pages scattered, decode's pages scattered).
+LAYOUTS = {
+    "fresh": (False, False),
+    "fragmented": (True, True),
+    "source contiguous": (False, True),
+    "destination contiguous": (True, False),
+}
+# The paths measured on each layout besides direct: every path whose entries that layout changes.
+LAYOUT_PATHS: dict[str, list[tuple[str, int]]] = {
+    "fresh": [],
+    "fragmented": [("staged", 1), ("staged", 2), ("staged", 4)],
+    "source contiguous": [("unpack_only", 1), ("staged", 1), ("staged", 4)],
+    "destination contiguous": [
+        ("pack_only", 1),
+        ("pack_only", 2),
+        ("pack_only", 4),
+        ("staged", 1),
+        ("staged", 4),
+    ],
+}
 
 
 class Bench:
@@ -291,22 +342,26 @@ class Bench:
         self.peer = Peer(self.env)
         self.transport = MooncakeTransport(HOST)
         self.sides: dict[str, tuple[Side, dict[str, Any]]] = {}
-        self.plans: dict[str, Entries] = {}  # the planned write of each case
+        self.plans: dict[str, Entries] = {}  # the planned direct write of each layout
+        self.firsts: dict[str, float] = {}  # its first write's seconds
 
     def close(self) -> None:
         self.peer.close()
         self.transport.close()
 
-    def setup(self, name: str, fragmented: bool) -> tuple[Side, dict[str, Any]]:
-        side = Side.build(self.config, self.a.tokens, "prefill", fragmented)
+    def setup(self, name: str) -> tuple[Side, dict[str, Any]]:
+        src_scattered, dst_scattered = LAYOUTS[name]
+        side = Side.build(self.config, self.a.tokens, "prefill", src_scattered)
         g = torch.Generator().manual_seed(len(self.sides))
         for _, bufs in side.buffers():
             for b in bufs:
                 b.copy_(torch.randn(b.shape, generator=g))
         self.transport.register(*side.regions())
         info = self.peer.ask(
-            "setup", name=name, config=self.config, tokens=self.a.tokens, fragmented=fragmented
+            "setup", name=name, config=self.config, tokens=self.a.tokens, fragmented=dst_scattered
         )
+        info["dst_ptrs"] = {StateType(t): v for t, v in info["dst_ptrs"].items()}
+        info["pages"] = {StateType(t): v for t, v in info["pages"].items()}
         self.sides[name] = (side, info)
         return side, info
 
@@ -316,40 +371,122 @@ class Bench:
         if theirs != side.digest():
             raise SystemExit(f"{name}: transferred pages differ between the two sides (digest {theirs})")
 
-    def direct(self, name: str, fragmented: bool) -> Case:
-        side, info = self.setup(name, fragmented)
-        comps = side.mem.kv.pd_state_components()
-        dst_ptrs = {StateType(t): v for t, v in info["dst_ptrs"].items()}
-        dst_pages = {StateType(t): v for t, v in info["pages"].items()}
-        entries = self.plans[name] = plan_writes(comps, dst_ptrs, side.pages, dst_pages)
-
-        def write() -> None:
-            self.transport.write(info["session"], entries, self.a.max_entries)
-
-        self.peer.ask("reset", name=name)
-        first = once(write)  # opens the segment and the lanes: the handshake
-        self.check(name)
-        for _ in range(WARMUP):
-            write()
-        self.peer.ask("reset", name=name)
-        steady = timed(write, self.a.repeats)
-        self.check(name)
-        return Case(name, len(entries), entries.nbytes, first, steady)
-
-    def staged(self, name: str) -> tuple[Case, Timing, Timing, Timing]:
-        """Gather + one entry per type + the receiver's scatter, per repeat (on `name`'s pools)."""
+    def shape(self, name: str) -> WriteShape:
+        """What the server's cost model sees of this layout's write."""
         side, info = self.sides[name]
-        entries = side.stage_entries(info["stage_ptr"])
-        gathers, writes, scatters = [], [], []
+        comps = side.mem.kv.pd_state_components()
+        return write_shape(comps, side.pages, info["pages"], len(self.plans[name]))
+
+    def direct(self, name: str) -> None:
+        """Set `name`'s layout up on both sides and plan its direct write; its first write (the
+        handshake: it opens the segment and the lanes) is timed apart."""
+        side, info = self.setup(name)
+        comps = side.mem.kv.pd_state_components()
+        entries = self.plans[name] = plan_writes(comps, info["dst_ptrs"], side.pages, info["pages"])
         self.peer.ask("reset", name=name)
-        for _ in range(self.a.repeats):
-            gathers.append(once(side.gather))
-            writes.append(once(lambda: self.transport.write(info["session"], entries)))
-            scatters.append(self.peer.ask("scatter", name=name)["seconds"])
+        self.firsts[name] = once(lambda: self.transport.write(info["session"], entries, self.a.max_entries))
         self.check(name)
-        total = Timing([g + w + s for g, w, s in zip(gathers, writes, scatters, strict=True)])
-        case = Case(f"{name}, staged", len(entries), entries.nbytes, float("nan"), total)
-        return case, Timing(gathers), Timing(writes), Timing(scatters)
+
+    def steps(self, name: str, path: str, pieces: int) -> tuple[list[tuple[Any, Entries]], list[list[Any]]]:
+        """What a prefill server's worker does for this path: (pack, entries) per piece, as
+        disagg/prefill.py plans them, and the (type, lo, hi) segments the decode then unpacks."""
+        side, info = self.sides[name]
+        kv, comps = side.mem.kv, side.mem.kv.pd_state_components()
+        page_bytes = {c.state_type: sum(c.item_lens) for c in comps}
+        parts = split_pieces([(t, 0, v) for t, v in side.pages.items()], page_bytes, pieces)
+        src_ptrs = {c.state_type: c.data_ptrs for c in comps}
+        steps, at = [], 0
+        for piece in parts:
+            src = [(t, side.pages[t][lo:hi]) for t, lo, hi in piece]
+            n = staged_bytes(kv, dict(src))
+            here, there = side.staging.data_ptr() + at, info["stage_ptr"] + at
+            if path == "unpack_only":
+                steps.append((lambda: None, plan_packed(comps, src_ptrs, src, there, into_packed=True)))
+            else:
+                if path == "staged":
+                    entries = Entries.one(here, there, n)
+                else:
+                    dst = [(t, info["pages"][t][lo:hi]) for t, lo, hi in piece]
+                    entries = plan_packed(comps, info["dst_ptrs"], dst, here, into_packed=False)
+                pack = functools.partial(stage_segments, kv, src, side.staging[at : at + n], gather_pages)
+                steps.append((pack, entries))
+            at += n
+        return steps, [[str(t), lo, hi] for piece in parts for t, lo, hi in piece]
+
+    def runner(self, name: str, path: str, pieces: int) -> tuple[Any, int, int]:
+        """(one, pieces, entries): one() writes `name`'s pages once on `path`, the receiver's unpack
+        included, and returns the seconds of each part (pack and write apart unless pipelined:
+        then they overlap and count as the write)."""
+        _, info = self.sides[name]
+        if path == "direct":
+            steps, segments = [(None, self.plans[name])], []
+        else:
+            steps, segments = self.steps(name, path, pieces)
+
+        def one() -> dict[str, float]:
+            out = {}
+            if len(steps) > 1:
+                out["write"] = once(lambda: self.transport.write_pipelined(info["session"], steps))
+            else:
+                if path in PACKING:
+                    out["pack"] = once(steps[0][0])
+                out["write"] = once(
+                    lambda: self.transport.write(info["session"], steps[0][1], self.a.max_entries)
+                )
+            if path in UNPACKING:
+                out["unpack"] = self.peer.ask("scatter", name=name, pieces=segments)["seconds"]
+            return out
+
+        return one, len(steps), sum(len(e) for _, e in steps)
+
+    def paths(self) -> dict[str, list[Case]]:
+        """Every layout's direct write and each path LAYOUT_PATHS lists for it, round by round (the
+        machine's load drifts: cases measured seconds apart are not comparable); each case's first
+        run is checked byte for byte on its own, then untimed with the next few. A request with
+        fewer pages than pieces is cut into fewer: the same case as one asked for earlier."""
+        runs: dict[tuple[str, str, int], tuple[Any, int, int]] = {}
+        asked: dict[tuple[str, str, int], set[int]] = {}
+        for name in LAYOUTS:
+            for path, pieces in [("direct", 1), *LAYOUT_PATHS[name]]:
+                one, cut, entries = self.runner(name, path, pieces)
+                key = (name, path, cut)
+                asked.setdefault(key, set()).add(pieces)
+                runs.setdefault(key, (one, cut, entries))
+        samples: dict[tuple[str, str, int], list[dict[str, float]]] = {key: [] for key in runs}
+        for i in range(WARMUP + self.a.repeats):
+            for key, (one, _, _) in runs.items():
+                if i == 0:
+                    self.peer.ask("reset", name=key[0])
+                out = one()
+                if i == 0:
+                    self.check(key[0])
+                if i >= WARMUP:
+                    samples[key].append(out)
+        cases: dict[str, list[Case]] = {name: [] for name in LAYOUTS}
+        for (name, path, cut), (_, _, entries) in runs.items():
+            parts = {
+                k: Timing([s[k] for s in samples[(name, path, cut)]]) for k in samples[(name, path, cut)][0]
+            }
+            total = Timing([sum(s.values()) for s in samples[(name, path, cut)]])
+            label = path_label(path, cut)
+            first = self.firsts.get(name, float("nan")) if path == "direct" else float("nan")
+            cases[name].append(Case(f"{name}, {label}", entries, self.sides[name][0].staging.nbytes, first,
+                                    total, label, cut, asked[(name, path, cut)], parts))  # fmt: skip
+        return cases
+
+    def piece_overhead(self, name: str, pieces: int) -> float:
+        """Seconds each piece past the first adds: the same bytes as one entry, then as `pieces`
+        entries submitted one after another without packing (write_pipelined), round by round;
+        the median of the rounds' differences (3x --repeats rounds: the difference is small)."""
+        side, info = self.sides[name]
+        n, base, there = side.staging.nbytes, side.staging.data_ptr(), info["stage_ptr"]
+        cut = -(-n // pieces)
+        steps = [(lambda: None, Entries.one(base + i, there + i, min(cut, n - i))) for i in range(0, n, cut)]
+        one = Entries.one(base, there, n)
+        diffs = [once(lambda: self.transport.write_pipelined(info["session"], steps))
+                 - once(lambda: self.transport.write(info["session"], one))
+                 for _ in range(3 * self.a.repeats)]  # fmt: skip
+        return statistics.median(diffs) / (len(steps) - 1)
 
     def one_entry(self, name: str) -> Timing:
         """The same bytes as one entry, staging buffer to staging buffer: what Mooncake's TCP transport
@@ -475,8 +612,8 @@ def verdict(ratio: float, target: float) -> str:
 
 
 def report(a: argparse.Namespace, r: dict[str, Any]) -> None:
-    fresh, frag, staged = r["fresh"], r["fragmented"], r["staged"]
-    nbytes, mc = fresh.nbytes, r["memcpy"]
+    direct, paths = r["direct"], r["paths"]
+    nbytes, mc = direct["fresh"].nbytes, r["memcpy"]
     ip = r["iperf3"]
     ip_gbps = gbps(nbytes, ip.median) if ip else float("nan")
     print(
@@ -495,51 +632,120 @@ def report(a: argparse.Namespace, r: dict[str, Any]) -> None:
             f"| iperf3 -n {nbytes} on {HOST}, one stream (sender's rate) | {ip_gbps:.2f} GB/s | memcpy | "
             f"{ratio:.2f}x | |"
         )
-    for case in (fresh, frag):
-        value = f"{gbps(nbytes, case.steady.median):.2f} GB/s, {ms(case.steady.median)} "
-        value += f"({ms(case.steady.p90)})"
-        ratio = gbps(nbytes, case.steady.median) / ip_gbps
-        picked = not stage_pays(case.entries, nbytes)  # the server writes these pages this way
-        target = verdict(ratio, TARGETS[case.name]) if picked else "(the server stages these)"
-        print(
-            f"| {case.name} pools, direct: {case.entries} entries | {value} | iperf3 {ip_gbps:.2f} GB/s | "
-            f"{ratio:.0%} | {target} |"
-        )
+    for layout, case in direct.items():
+        for c in [case, *paths[layout]]:
+            print(case_row(layout, c, chosen(r, layout), ip_gbps))
     one = r["one_entry"]
     ratio = gbps(nbytes, one.median) / ip_gbps
     print(
         f"| ceiling: the same bytes as one entry | {gbps(nbytes, one.median):.2f} GB/s, {ms(one.median)} "
         f"({ms(one.p90)}) | iperf3 {ip_gbps:.2f} GB/s | {ratio:.0%} | |"
     )
-    g, w, s = r["stage_parts"]
-    ratio = gbps(nbytes, staged.steady.median) / ip_gbps
-    target = verdict(ratio, TARGETS["fragmented"]) if stage_pays(frag.entries, nbytes) else ""
-    print(
-        f"| fragmented pools, staged (the server's path): pack {ms(g.median)} + {staged.entries} entry "
-        f"{ms(w.median)} + unpack {ms(s.median)} | {gbps(nbytes, staged.steady.median):.2f} GB/s, "
-        f"{ms(staged.steady.median)} ({ms(staged.steady.p90)}) | iperf3 {ip_gbps:.2f} GB/s | {ratio:.0%} | "
-        f"{target} |"
-    )
-    print(
-        f"| staged against direct, fragmented pools | {ms(staged.steady.median)} | {frag.entries} entries: "
-        f"{ms(frag.steady.median)} | {frag.steady.median / staged.steady.median:.2f}x | |"
-    )
+    for layout, case in direct.items():
+        server = chosen(r, layout)
+        if server is not case:
+            print(
+                f"| {layout} pools: the server's path ({server.path}) against direct | "
+                f"{ms(server.steady.median)} | {case.entries} entries: {ms(case.steady.median)} | "
+                f"{case.steady.median / server.steady.median:.2f}x | |"
+            )
     first, second = r["handshake"]
     print(
         f"| handshake: first 64 B write to a new peer ({len(first.seconds)} peers) | {ms(first.median)} "
         f"({ms(first.p90)}) | next write to it: {ms(second.median)} | {first.median / second.median:.1f}x | |"
     )
-    for case in (fresh, frag):
+    for name in ("fresh", "fragmented"):
+        case = direct[name]
         print(
-            f"| first write of the request, {case.name} (handshake + payload) | {ms(case.first)} | "
+            f"| first write of the request, {name} (handshake + payload) | {ms(case.first)} | "
             f"steady: {ms(case.steady.median)} | {case.first / case.steady.median:.1f}x | |"
         )
     if r.get("prefill"):
-        for case in (fresh, frag, staged):
+        for layout in direct:
+            case = chosen(r, layout)
             print(
-                f"| per-request transfer, {case.name} | {ms(case.steady.median)} | prefill of the same "
-                f"request (max_tokens=1): {r['prefill']:.2f} s | {case.steady.median / r['prefill']:.2%} | |"
+                f"| per-request transfer, {layout} ({case.path}) | {ms(case.steady.median)} | prefill of the "
+                f"same request (max_tokens=1): {r['prefill']:.2f} s | {case.steady.median / r['prefill']:.2%} | |"
             )
+    model_report(r)
+
+
+def chosen(r: dict[str, Any], layout: str) -> Case:
+    """The measured case of the path the server's cost model picks for this layout."""
+    path, pieces = r["picks"][layout]
+    cases = [r["direct"][layout], *r["paths"][layout]]
+    return next(c for c in cases if c.base == path and pieces in c.asked)
+
+
+def case_row(layout: str, case: Case, picked: Case, ip_gbps: float) -> str:
+    nbytes, t = case.nbytes, case.steady
+    ratio = gbps(nbytes, t.median) / ip_gbps
+    mine = case is picked
+    target = TARGETS.get(layout, TARGETS["fragmented"])
+    taken = f"{picked.path}" + (f" in {picked.pieces} pieces" if picked.pieces > 1 else "")
+    verdict_cell = verdict(ratio, target) if mine else f"(the server takes {taken})"
+    entries = plural(case.entries, "entry")
+    if case.pieces > 1:
+        entries += f" in {case.pieces} pieces, packed while on the wire,"
+    what = " + ".join(f"{k} {ms(v.median)}" if k != "write" else f"{entries} {ms(v.median)}"
+                      for k, v in case.parts.items())  # fmt: skip
+    path = f"{case.path} (the server's path)" if mine else case.path
+    return (
+        f"| {layout} pools, {path}: {what} | {gbps(nbytes, t.median):.2f} GB/s, {ms(t.median)} ({ms(t.p90)}) "
+        f"| iperf3 {ip_gbps:.2f} GB/s | {ratio:.0%} | {verdict_cell} |"
+    )
+
+
+def plural(n: int, word: str) -> str:
+    many = word[:-1] + "ies" if word.endswith("y") else word + "s"
+    return f"{n} {word if n == 1 else many}"
+
+
+def calibrate(r: dict[str, Any]) -> Costs:
+    """The cost model's constants as this run measured them (medians)."""
+    frag, one = r["direct"]["fragmented"], r["one_entry"]
+    nbytes = frag.nbytes
+    parts = next(c for c in r["paths"]["fragmented"] if c.path == "staged").parts
+    wire = one.median / nbytes
+    entry = max(frag.steady.median - one.median, 0.0) / (frag.entries - 1)
+    pack, unpack = parts["pack"].median / nbytes, parts["unpack"].median / nbytes
+    piece = max(r["piece"], 0.0)
+    overlaps = [overlap_of(c, unpiped, piece) for cases in r["paths"].values() for c in cases
+                for unpiped in cases if c.pieces > 1 and unpiped.path == c.base]  # fmt: skip
+    overlap = statistics.median(overlaps) if overlaps else float("nan")
+    return Costs(entry=entry, wire=wire, pack=pack, unpack=unpack, piece=piece, overlap=overlap)
+
+
+def overlap_of(pipelined: Case, unpiped: Case, piece: float) -> float:
+    """The overlap that makes the model's pipelined write (pack and write of `pipelined.pieces`
+    pieces) take what it measured, given the same path's pack and write measured apart."""
+    k = pipelined.pieces
+    a, b = unpiped.parts["pack"].median / k, unpiped.parts["write"].median / k
+    hidden = a + b + (k - 1) * (max(a, b) + min(a, b) + piece) - pipelined.parts["write"].median
+    return min(max(hidden / ((k - 1) * min(a, b)), 0.0), 1.0)
+
+
+def model_report(r: dict[str, Any]) -> None:
+    """The constants this run measured against transfer.COSTS, and the model's time for every case
+    (with COSTS) against the measured one: the model has to rank the paths, not time them exactly."""
+    run = calibrate(r)
+    print("\ncost model (disagg/transfer.py COSTS): this run's constants\n")
+    print("| constant | this run | COSTS |\n|---|---:|---:|")
+    units = {"entry": (1e6, "us"), "piece": (1e6, "us"), "overlap": (1.0, "")}
+    for name in ("entry", "wire", "pack", "unpack", "piece", "overlap"):
+        mine, theirs = getattr(run, name), getattr(COSTS, name)
+        if name in units:
+            scale, unit = units[name]
+            print(f"| {name} | {mine * scale:.2f} {unit} | {theirs * scale:.2f} {unit} |")
+        else:  # seconds per byte, shown as a rate
+            print(f"| {name} | {1 / mine / 1e9:.2f} GB/s | {1 / theirs / 1e9:.2f} GB/s |")
+    print("\n| layout | path | measured | model | model's pick |\n|---|---|---:|---:|---|")
+    for layout, case in r["direct"].items():
+        shape = r["shapes"][layout]
+        for c in [case, *r["paths"][layout]]:
+            mark = "yes" if c is chosen(r, layout) else ""
+            print(f"| {layout} | {c.path} ({c.pieces}) | {ms(c.steady.median)} | "
+                  f"{ms(write_seconds(shape, c.base, c.pieces))} | {mark} |")  # fmt: skip
 
 
 def measure(a: argparse.Namespace, config: dict) -> dict[str, Any]:
@@ -553,11 +759,20 @@ def measure(a: argparse.Namespace, config: dict) -> dict[str, Any]:
     torch.set_num_threads(1)
     bench = Bench(a, config)
     try:
-        r["fresh"] = bench.direct("fresh", fragmented=False)
-        r["fragmented"] = bench.direct("fragmented", fragmented=True)
-        r["staged"], *parts = bench.staged("fragmented")
-        r["stage_parts"] = parts
+        for name in LAYOUTS:
+            bench.direct(name)
+        r["shapes"] = {name: bench.shape(name) for name in LAYOUTS}
+        r["picks"] = {
+            name: choose_write(shape, can_pack=True, can_unpack=True) for name, shape in r["shapes"].items()
+        }
+        for name, pick in r["picks"].items():  # the server's pick is always among the cases
+            if pick != ("direct", 1) and pick not in LAYOUT_PATHS[name]:
+                LAYOUT_PATHS[name].append(pick)
+        cases = bench.paths()
+        r["direct"] = {name: cases[name][0] for name in LAYOUTS}
+        r["paths"] = {name: cases[name][1:] for name in LAYOUTS}
         r["one_entry"] = bench.one_entry("fragmented")
+        r["piece"] = bench.piece_overhead("fragmented", PIECES[-1])
         r["handshake"] = bench.handshakes(min(a.repeats, 5))
         if a.sweep:
             r["sweep"] = sweep(bench, a.sweep)
@@ -655,15 +870,16 @@ def main(argv: list[str] | None = None) -> int:
 
         config, a.preset_name = build_config(a.preset), f"{a.preset} preset"
     r = measure(a, config)
-    r["memcpy"] = memcpy(r["fresh"].nbytes, a.repeats)
-    r["iperf3"] = iperf3(r["fresh"].nbytes, a.repeats)
+    nbytes = r["direct"]["fresh"].nbytes
+    r["memcpy"] = memcpy(nbytes, a.repeats)
+    r["iperf3"] = iperf3(nbytes, a.repeats)
     if model is not None and not a.no_prefill:
         r["prefill"] = prefill_seconds(model, a.tokens)
     report(a, r)
     if r["iperf3"] is None:
         print("\niperf3 is not installed (scripts/setup.sh installs it): no network reference")
     if a.sweep:
-        sweep_report(*r["sweep"], r["fresh"].nbytes)
+        sweep_report(*r["sweep"], nbytes)
     return 0
 
 

@@ -325,8 +325,12 @@ class LLMEngine:
         req_idx: int,
         first_token: int,
         generator_state: torch.Tensor | None,
+        *,
+        first_logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> None:
-        """PD decode: the request's state is in `req_idx`'s pages; run it from its first token."""
+        """PD decode: the request's state is in `req_idx`'s pages; run it from its first token.
+        The logprobs the prefill computed come out with that token, as a colocated server's would."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not 0 <= first_token < self.config.vocab_size:
@@ -348,10 +352,17 @@ class LLMEngine:
                 raise
             grammar.advance(seq.grammar, first_token)
         seq.generator = self._generator(sampling_params, generator_state)
+        first = StepOutput(request_id, [first_token], False, None)
+        if sampling_params.logprobs is not None and first_logprobs is not None:
+            first.logprobs = [first_logprobs]
+        if sampling_params.prompt_logprobs is not None and prompt_logprobs is not None:
+            seq.prompt_logprobs = list(prompt_logprobs)  # a preempted recompute need not redo them
+            first.prompt_logprobs = [None, *prompt_logprobs]
         done = self.scheduler.admit_resident(seq)
         if done is None:
             self.requests[request_id] = seq
-        self._pending.append(StepOutput(request_id, [first_token], done is not None, seq.finish_reason))
+        first.finished, first.finish_reason = done is not None, seq.finish_reason
+        self._pending.append(first)
 
     def release_held(self, request_id: str) -> None:
         """PD prefill: the request's transfer ended; free its pages (aborting it first if it runs)."""

@@ -85,9 +85,16 @@ class Server:
         if self.proc.poll() is not None:
             raise AssertionError(f"{self.name} exited {self.proc.returncode}:\n{self.log()[-4000:]}")
         try:
-            return httpx.get(f"{self.base}/health", timeout=2).status_code == 200
+            if httpx.get(f"{self.base}/health", timeout=2).status_code != 200:
+                return False
+            pid = httpx.get(f"{self.base}/debug/state", timeout=5).json()["pid"]
         except httpx.HTTPError:
             return False
+        # Another process may have taken the port between free_port() and this server's bind.
+        assert pid == self.proc.pid, (
+            f"{self.name}'s port {self.port} is answered by pid {pid}, not {self.proc.pid}"
+        )
+        return True
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -332,16 +332,62 @@ def test_write_to_a_killed_peer_raises(sender: MooncakeTransport, source: Source
         sender.write(receiver.session, one)
 
 
+def pipelined(sender: MooncakeTransport, peer: str, entries: Entries, pieces: int = 3) -> list[int]:
+    """write_pipelined of `entries` cut into pieces; returns the order prepare() ran in."""
+    cut = -(-len(entries) // pieces)
+    parts = [Entries(entries.src[i : i + cut], entries.dst[i : i + cut], entries.lens[i : i + cut])
+             for i in range(0, len(entries), cut)]  # fmt: skip
+    order: list[int] = []
+    sender.write_pipelined(peer, [(lambda i=i: order.append(i), part) for i, part in enumerate(parts)])
+    return order
+
+
+def test_a_pipelined_write_lands_every_piece(
+    sender: MooncakeTransport, source: Source, receiver: Receiver, tmp_path: Path
+) -> None:
+    # 250 isolated KiB pages each side (no two merge), cut into three pieces, prepared in order.
+    src = [comp(C4, [source.ptr], item=1024, pages=1000)]
+    plan = plan_writes(
+        src, {C4: [receiver.ptr]}, {C4: list(range(1, 1000, 4))}, {C4: list(range(1, 1000, 4))}
+    )
+    assert len(plan) == 250
+    assert pipelined(sender, receiver.session, plan) == [0, 1, 2]
+    check_landed(receiver, source, plan, receiver.dump(tmp_path / "dump"))
+
+
+def test_a_failed_prepare_raises_after_the_pieces_already_submitted_ended(
+    sender: MooncakeTransport, source: Source, receiver: Receiver, tmp_path: Path
+) -> None:
+    """The caller frees the sources as soon as write_pipelined returns, so a pack that fails must
+    not return before the pieces on the wire have landed; and a dead peer fails the write."""
+    first = Entries.one(source.ptr, receiver.ptr, 4096)
+
+    def boom() -> None:
+        raise RuntimeError("pack failed")
+
+    with pytest.raises(RuntimeError, match="pack failed"):
+        sender.write_pipelined(receiver.session, [(lambda: None, first), (boom, first)])
+    check_landed(receiver, source, first, receiver.dump(tmp_path / "dump"))  # piece 0 had landed
+    receiver.proc.kill()
+    receiver.proc.wait()
+    with pytest.raises(TransferError, match=re.escape(f"pipelined write to {receiver.session} failed")):
+        pipelined(sender, receiver.session, first, pieces=1)
+
+
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["write", "write_pipelined"])
 def test_write_to_a_hung_peer_times_out_without_holding_the_gil(
-    sender: MooncakeTransport, source: Source, receiver: Receiver
+    sender: MooncakeTransport, source: Source, receiver: Receiver, how: str
 ) -> None:
     """The write to a stopped peer ends with TransferError (Mooncake's 5 s MC_TRANSFER_TIMEOUT), and
     while it blocks another Python thread runs. Without timing: with the switch interval raised,
     the ticker below can take the GIL from the writer only if the write itself releases it, so a
-    tick between the writer's two reads happened during the write."""
+    tick between the writer's two reads happened during the write. A pipelined write waits on
+    each of its batches the same way."""
     one = Entries.one(source.ptr, receiver.ptr, 256 << 10)
     sender.write(receiver.session, one)
+    if how == "write_pipelined":
+        one = Entries([source.ptr] * 2, [receiver.ptr, receiver.ptr + (256 << 10)], [256 << 10] * 2)
     receiver.proc.send_signal(signal.SIGSTOP)  # alive, connected, never acknowledges: the timeout's case
     ticks, done, errors, seen = [0], threading.Event(), [], []
 
@@ -352,7 +398,10 @@ def test_write_to_a_hung_peer_times_out_without_holding_the_gil(
     def write() -> None:
         before = ticks[0]
         try:
-            sender.write(receiver.session, one)
+            if how == "write":
+                sender.write(receiver.session, one)
+            else:
+                pipelined(sender, receiver.session, one, pieces=2)
         except TransferError as e:
             errors.append(e)
         seen.append(ticks[0] - before)

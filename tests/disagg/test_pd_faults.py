@@ -193,13 +193,14 @@ def test_a_client_that_leaves_either_leg_frees_both(s: dict[str, Any], pd: Any, 
     pd.settle(P, D, initial=s["initial"])
 
 
-@pytest.mark.parametrize("staging", ["auto", "always"])
+@pytest.mark.parametrize("staging", ["auto", "always", "pack_only_pipelined"])
 def test_sigstopped_prefill_writes_late_into_quarantined_pages_only(
     s: dict[str, Any], pd: Any, pool: Any, staging: str
 ) -> None:
     """With staging "always" the late write lands in the decode's staging span, which stays
     quarantined with the pages (the decode offers a span either way) while the live requests are
-    staged through the same arena."""
+    staged through the same arena; with "pack_only_pipelined" it lands in the pages as Mooncake
+    batches submitted in pieces, each packed while the one before was on the wire."""
     P, D = s["PX"], s["DX"]
     ask = {**PROMPT, "prompt": random_ids(200, seed=9)}
     reference = pd.send_pair(s["PF"], s["DF"], pd.pd_body(s["PF"], ask))[1]

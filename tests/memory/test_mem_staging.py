@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from dsv4_engine import kernels
-from dsv4_engine.disagg.transfer import stage_pays
 from dsv4_engine.memory.staging import ALIGN, StagingArena, gather_pages, scatter_pages, staged_nbytes
 
 
@@ -102,10 +101,3 @@ def test_arena_views_stay_inside_a_span() -> None:
         arena.view(offset + ALIGN, 2 * ALIGN)
     with pytest.raises(ValueError, match="not inside"):
         arena.view(3 * ALIGN, 8)  # never handed out
-
-
-def test_staging_pays_for_scattered_pages_only() -> None:
-    mib4 = 4 << 20
-    assert not stage_pays(23, mib4)  # fresh pools, small preset: a run per layer buffer
-    assert stage_pays(302, mib4)  # every other page free on both sides
-    assert not stage_pays(1, 64)

@@ -91,3 +91,16 @@ def test_every_pd_failure_reason_the_code_raises_starts_at_zero() -> None:
     raised |= set(re.findall(r'pd_failures\.labels\("([a-z_]+)"\)', code))
     assert len(raised) >= 10
     assert raised <= set(PD_FAILURE_REASONS), sorted(raised - set(PD_FAILURE_REASONS))
+
+
+def test_every_pd_write_path_the_code_takes_starts_at_zero() -> None:
+    """dsv4_pd_transfer_writes_total{path} has a series for every path before the first write: the
+    list holds every label transfer.path_label gives a path of transfer.PATHS, and nothing else."""
+    from dsv4_engine.disagg.transfer import PACKING, PATHS, path_label
+    from dsv4_engine.server.metrics import PD_WRITE_PATHS, ServerMetrics
+
+    labels = {path_label(p, 1) for p in PATHS} | {path_label(p, 2) for p in PACKING}
+    assert labels == set(PD_WRITE_PATHS), sorted(labels ^ set(PD_WRITE_PATHS))
+    text = ServerMetrics(dict).render().decode()
+    for path in PD_WRITE_PATHS:
+        assert f'dsv4_pd_transfer_writes_total{{path="{path}"}} 0.0' in text, path

@@ -133,7 +133,9 @@ def create_bootstrap_app(rooms: PrefillRooms, *, rank: int = 0) -> FastAPI:
         if done.exception() is not None:
             err = done.exception()
             return _error(err if isinstance(err, PdError) else PdError("transfer_failed", str(err)))
-        return JSONResponse({"status": "success", "bytes": r.bytes_by_type, "staged": r.staged})
+        return JSONResponse(
+            {"status": "success", "bytes": r.bytes_by_type, "staged": r.staged, "logprobs": r.logprobs}
+        )
 
     @app.delete("/rooms/{room}")
     async def abort(room: int, body: AbortBody) -> dict[str, Any]:

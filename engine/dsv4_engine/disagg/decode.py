@@ -34,6 +34,7 @@ from dsv4_engine.disagg.protocol import (
     PdError,
     PdTarget,
     page_digests,
+    read_logprobs,
     register_state,
     stage_segments,
     staged_bytes,
@@ -235,7 +236,8 @@ class DecodeReceiver:
             self.receiving += 1
             admitted = time.monotonic()
             try:
-                staged = await self._transfer(peer, target, pages, req_idx, span)
+                answer = await self._transfer(peer, target, pages, req_idx, span)
+                staged = list(answer.get("staged") or [])
                 if staged:
                     assert span is not None
                     await asyncio.to_thread(self._unpack, pages, span, staged)
@@ -246,9 +248,10 @@ class DecodeReceiver:
                 kv = self.engine.kv_pool
                 self.checksums[target.room] = await self.bridge.run(lambda e: page_digests(kv, pages))
             token, state = unpack_aux(self.aux[req_idx])
-            idx = req_idx
+            first, prompt = read_logprobs(answer.get("logprobs"), params, prompt_ids, token)
+            args = (request_id, prompt_ids, params, req_idx, token, state)
             await self.bridge.run(
-                lambda e: e.admit_transferred(request_id, prompt_ids, params, idx, token, state)
+                lambda e: e.admit_transferred(*args, first_logprobs=first, prompt_logprobs=prompt)
             )
             req_idx = None  # the engine owns it now (its free path frees it)
         except BaseException as exc:
@@ -338,8 +341,9 @@ class DecodeReceiver:
         pages: dict[StateType, list[int]],
         req_idx: int,
         span: tuple[int, int] | None,
-    ) -> list[list[Any]]:
-        """Send the destination and wait for the transfer; returns the segments that came staged."""
+    ) -> dict[str, Any]:
+        """Send the destination and wait for the transfer; returns the prefill's answer: the segments
+        that came staged and the logprobs only it computed."""
         body = {
             "decode_id": self.decode_id,
             "pages": {str(t): p for t, p in pages.items()},
@@ -380,10 +384,9 @@ class DecodeReceiver:
         answer = r.json()
         if r.status_code != 200 or answer.get("status") != "success":
             raise PdError.from_body(answer)
-        staged = answer.get("staged") or []
-        if staged and span is None:
+        if answer.get("staged") and span is None:
             raise PdError("payload_mismatch", f"prefill {peer.address} sent staged pages without a span")
-        return list(staged)
+        return answer
 
     async def _abort_room(self, peer: PrefillPeer | None, target: PdTarget, exc: BaseException) -> bool:
         """Tell the prefill to give the room up; True if a write may still land (quarantine)."""

@@ -7,10 +7,14 @@ server can take. Then, after every engine step, `on_step` (engine thread) queues
 step finished: full-family pages (C4, C128, INDEXER) of each completed page as chunks complete, and
 with the last chunk the SWA window, the compressor-state tails and the aux slot (first token and the
 seeded generator's state). One worker thread writes them in order, one Mooncake batch per job.
-A job whose pages are scattered enough that Mooncake's per-entry cost outweighs two copies
-(`transfer.stage_pays`) goes staged, when the decode offered a staging span: the worker packs its
-pages into this server's staging arena and writes them as one entry into the decode's span; the
-transfer's answer lists those segments, and the decode unpacks them into its pages.
+Each job takes the path `transfer.choose_write` expects to be fastest for its pages, among those
+both sides have room for: direct (an entry per run of pages contiguous on both sides), staged (this
+server packs into its staging arena, one entry into the decode's span, the decode unpacks),
+pack_only (packed here, written into the decode's page runs: its pages are contiguous, ours not) or
+unpack_only (our page runs written into the decode's span, the decode unpacks: the reverse). A
+packing path may be pipelined: the job cut into pieces, each packed while the one before is on the
+wire. The transfer's answer lists the segments that landed in the decode's span, in span order, for
+the decode to unpack.
 
 Ownership: the engine holds a PD request's pages (`hold=True`) after it finishes or is aborted, and
 only the worker's `close` job releases them, after every earlier write of that room returned. So a
@@ -20,6 +24,7 @@ prefill client that hangs up mid-transfer never frees pages Mooncake is still re
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -33,6 +38,7 @@ from dsv4_engine.disagg.protocol import (
     PdError,
     PdTarget,
     RoomStatus,
+    logprobs_body,
     pack_aux,
     page_digests,
     register_state,
@@ -41,6 +47,10 @@ from dsv4_engine.disagg.protocol import (
 )
 from dsv4_engine.memory import StateType
 from dsv4_engine.memory.staging import StagingArena, gather_pages
+
+# Test hook modes for `stage_mode` besides "auto" (the cost model): a path label forces that path
+# where both sides have room for it (else direct); "always" and "never" are staged and direct.
+FORCED_PIECES = 4  # pieces of a forced *_pipelined path (fewer when the job has fewer pages)
 
 log = logging.getLogger("dsv4.pd.prefill")
 
@@ -92,17 +102,21 @@ class Room:
     bytes_by_type: dict[str, int] = field(default_factory=dict)
     src_sent: dict[StateType, list[int]] = field(default_factory=dict)  # for the checksum test hook
     transfer_started: float | None = None
+    logprobs: dict[str, Any] | None = None  # protocol.logprobs_body, sent with the transfer's answer
 
 
 @dataclass
 class _Job:
     room: Room
-    entries: Any  # transfer.Entries (direct pages and the aux slot)
+    entries: Any  # transfer.Entries: the pages when direct, and the aux slot
     nbytes: dict[str, int]
     final: bool
-    # staged: (state type, source pages) packed into the arena, written as one entry to `staged_dst`
-    segments: list[tuple[StateType, list[int]]] = field(default_factory=list)
-    staged_dst: int = 0
+    path: str = "direct"  # transfer.PATHS
+    # Other paths: pieces of (state type, lo, hi) positions in the room's page lists, in span order
+    # (one piece unless pipelined), over the job's full source page lists.
+    pieces: list[list[tuple[StateType, int, int]]] = field(default_factory=list)
+    src_pages: dict[StateType, list[int]] = field(default_factory=dict)
+    staged_dst: int = 0  # where the job's packed bytes start in the decode's span (staged, unpack_only)
     staged_bytes: int = 0
 
 
@@ -141,7 +155,7 @@ class PrefillRooms:
         self.staging = staging  # the worker's: it packs one job at a time
         self.components, self.aux = register_state(transport, engine.kv_pool, rows, staging)
         self.src_ptrs = {c.state_type: c.data_ptrs for c in self.components}
-        self.stage_mode = "auto"  # test hook: "always" / "never" override transfer.stage_pays
+        self.stage_mode = "auto"  # test hook: a path label (or "always"/"never") overrides the model
         # Test hooks (DSV4_TEST_HOOKS): perturb one source page before the next send; keep per-room
         # digests of the bytes sent, for comparison with the decode side's.
         self.corrupt_next: StateType | None = None
@@ -368,7 +382,7 @@ class PrefillRooms:
                 self.loop.call_soon_threadsafe(self.fail, room, err)
 
     def _queue(self, room: Room, seq: Any, done_pages: int, final: bool, token: int | None) -> None:
-        from dsv4_engine.disagg.transfer import Entries, plan_writes
+        from dsv4_engine.disagg.transfer import Entries, plan_writes, write_shape
 
         assert room.dst_pages is not None and room.session is not None and seq.req_idx is not None
         # Only the types this step sends are built: a non-final chunk sends the append-only ones,
@@ -395,36 +409,68 @@ class PrefillRooms:
             for t, pages in src.items():
                 room.src_sent.setdefault(t, []).extend(pages)
         entries = plan_writes(self.components, room.session.dst_ptrs, src, dst)
-        nbytes = _bytes_by_type(self.components, src)
-        job = _Job(room, entries, nbytes, final)
-        packed = staged_bytes(self.engine.kv_pool, src)
-        if packed and self._stages(room, len(entries), packed):
-            assert room.dst_staging is not None and room.session.staging_ptr is not None
-            job.entries = Entries()  # the pages go packed; the aux slot (below) stays direct
-            job.segments = [(t, pages) for t, pages in src.items()]
-            job.staged_dst = room.session.staging_ptr + room.dst_staging[0] + room.staged_at
-            job.staged_bytes = packed
-            room.staged_at += packed
-            room.staged.extend((str(t), *spans[t]) for t, pages in src.items() if any(pages))
+        job = _Job(room, entries, _bytes_by_type(self.components, src), final)
+        shape = write_shape(self.components, src, dst, len(entries))
+        if shape.nbytes:
+            self._route(job, shape, [(t, spans[t][0], src[t]) for t in src], src_all)
         if final:
             assert token is not None and room.dst_aux is not None
             slot = self.aux[seq.req_idx]
             pack_aux(slot, token, seq.generator)
+            room.logprobs = logprobs_body(
+                seq.step_logprobs if seq.params.logprobs is not None else None,
+                list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+            )
             job.entries.extend(
                 Entries.one(slot.data_ptr(), room.session.aux_ptr + room.dst_aux * AUX_BYTES, AUX_BYTES)
             )
-        if len(job.entries) or job.staged_bytes or final:
+        if len(job.entries) or job.pieces or final:
             self._jobs.put(job)
 
-    def _stages(self, room: Room, entries: int, packed: int) -> bool:
-        """Whether this job goes packed: both sides have room for it and it pays (or a test says so)."""
-        from dsv4_engine.disagg.transfer import stage_pays
+    def _route(
+        self,
+        job: _Job,
+        shape: Any,
+        segments: list[tuple[StateType, int, list[int]]],
+        src_all: dict[StateType, list[int]],
+    ) -> None:
+        """Put the job on the path `_choose` picks: its pieces, and its place in the decode's span."""
+        from dsv4_engine.disagg.transfer import UNPACKING, Entries, split_pieces
 
-        if self.staging is None or room.dst_staging is None or self.stage_mode == "never":
-            return False
-        if packed > self.staging.nbytes or room.staged_at + packed > room.dst_staging[1]:
-            return False
-        return self.stage_mode == "always" or stage_pays(entries, packed)
+        room = job.room
+        path, pieces = self._choose(room, shape)
+        if path == "direct":
+            return
+        page_bytes = {c.state_type: sum(c.item_lens) for c in self.components}
+        job.path, job.entries, job.staged_bytes = path, Entries(), shape.nbytes  # aux added after
+        job.pieces = split_pieces(segments, page_bytes, pieces)
+        job.src_pages = {t: src_all[t] for t, _, _ in segments}
+        if path in UNPACKING:
+            assert room.dst_staging is not None and room.session is not None
+            assert room.session.staging_ptr is not None
+            job.staged_dst = room.session.staging_ptr + room.dst_staging[0] + room.staged_at
+            room.staged_at += shape.nbytes
+            room.staged.extend((str(t), lo, hi) for piece in job.pieces for t, lo, hi in piece)
+
+    def _choose(self, room: Room, shape: Any) -> tuple[str, int]:
+        """(path, pieces) for one job: the cost model's pick among the paths both sides have room
+        for, or the path a test forces (direct when it has no room)."""
+        from dsv4_engine.disagg.transfer import PACKING, UNPACKING, choose_write
+
+        can_pack = self.staging is not None and shape.nbytes <= self.staging.nbytes
+        can_unpack = (
+            room.dst_staging is not None
+            and room.session is not None
+            and room.session.staging_ptr is not None
+            and room.staged_at + shape.nbytes <= room.dst_staging[1]
+        )
+        mode = {"always": "staged", "never": "direct"}.get(self.stage_mode, self.stage_mode)
+        if mode == "auto":
+            return choose_write(shape, can_pack=can_pack, can_unpack=can_unpack)
+        path = mode.removesuffix("_pipelined")
+        if (path in PACKING and not can_pack) or (path in UNPACKING and not can_unpack):
+            return "direct", 1
+        return path, FORCED_PIECES if mode.endswith("_pipelined") else 1
 
     def _corrupt(self, state_type: StateType, pages: list[int]) -> None:
         bufs = self.engine.kv_pool.buffers_by_type()[state_type]
@@ -471,25 +517,66 @@ class PrefillRooms:
                 self.loop.call_soon_threadsafe(self._succeed, room)
 
     def _write(self, peer: str, job: _Job) -> None:
-        """One job into the decode's memory: its direct entries, and its packed pages as one more."""
-        from dsv4_engine.disagg.transfer import Entries
+        """One job into the decode's memory on its path (the aux slot rides with the last entries)."""
+        from dsv4_engine.disagg.transfer import PACKING, path_label, plan_packed
 
-        if not job.staged_bytes:
+        if job.path in PACKING:
+            self._write_packed(peer, job)
+        elif job.path == "unpack_only":  # our page runs straight into the decode's span
+            entries = plan_packed(self.components, self.src_ptrs, self._segments(job, job.src_pages),
+                                  job.staged_dst, into_packed=True)  # fmt: skip
+            entries.extend(job.entries)
+            self.transport.write(peer, entries)
+        else:
             self.transport.write(peer, job.entries)
-            self.metrics.pd_writes.labels("direct").inc()
-            return
+        self.metrics.pd_writes.labels(path_label(job.path, max(len(job.pieces), 1))).inc()
+
+    @staticmethod
+    def _segments(
+        job: _Job, pages: dict[StateType, list[int]], piece: list[tuple[StateType, int, int]] | None = None
+    ) -> list[tuple[StateType, list[int]]]:
+        """(state type, page ids) of one piece (default: every piece) over one side's page lists."""
+        parts = [seg for p in job.pieces for seg in p] if piece is None else piece
+        return [(t, pages[t][lo:hi]) for t, lo, hi in parts]
+
+    def _write_packed(self, peer: str, job: _Job) -> None:
+        """staged and pack_only: each piece packed into this server's arena, then written; pieces
+        past the first are packed while the earlier ones are on the wire."""
         assert self.staging is not None
         offset = self.staging.alloc(job.staged_bytes)
         assert offset is not None, "the worker packs one job at a time into an arena that holds it"
         try:
-            span = self.staging.view(offset, job.staged_bytes)
-            stage_segments(self.engine.kv_pool, job.segments, span, gather_pages)
-            entries = Entries.one(span.data_ptr(), job.staged_dst, job.staged_bytes)
-            entries.extend(job.entries)
-            self.transport.write(peer, entries)
+            steps = self._packed_steps(job, offset)
+            if len(steps) == 1:
+                steps[0][0]()
+                self.transport.write(peer, steps[0][1])
+            else:
+                self.transport.write_pipelined(peer, steps)
         finally:
-            self.staging.free(offset)
-        self.metrics.pd_writes.labels("staged").inc()
+            self.staging.free(offset)  # every write that read it has ended, whatever happened
+
+    def _packed_steps(self, job: _Job, offset: int) -> list[tuple[Callable[[], Any], Any]]:
+        """(pack, entries) per piece, packed one after another from `offset` in the arena: one entry
+        into the decode's span (staged) or an entry per run of the decode's pages (pack_only); the
+        aux slot rides with the last piece."""
+        from dsv4_engine.disagg.transfer import Entries, plan_packed
+
+        assert self.staging is not None and job.room.session is not None and job.room.dst_pages is not None
+        kv, dst_ptrs, dst_pages = self.engine.kv_pool, job.room.session.dst_ptrs, job.room.dst_pages
+        steps, at = [], 0
+        for piece in job.pieces:
+            segments = self._segments(job, job.src_pages, piece)
+            n = staged_bytes(kv, dict(segments))
+            span, packed = self.staging.view(offset + at, n), self.staging.data_ptr + offset + at
+            if job.path == "staged":
+                entries = Entries.one(packed, job.staged_dst + at, n)
+            else:
+                entries = plan_packed(self.components, dst_ptrs, self._segments(job, dst_pages, piece), packed,
+                                      into_packed=False)  # fmt: skip
+            steps.append((functools.partial(stage_segments, kv, segments, span, gather_pages), entries))
+            at += n
+        steps[-1][1].extend(job.entries)
+        return steps
 
     def _close(self, room: Room) -> None:
         """Every write of the room has returned: the engine may free its pages now."""

@@ -17,12 +17,15 @@ prompt). The prefill server runs a bootstrap endpoint (bootstrap.py); the decode
   GET  /health                        ->   heartbeat
 
 The aux slot carries what the decode side needs to continue sampling exactly as one server would:
-the first token and the request's seeded generator state.
+the first token and the request's seeded generator state. Logprobs, which only the prefill computed
+(the first token's and, with echo, the prompt's), travel in the transfer's answer (`logprobs_body`):
+they can be as long as the prompt, and the decode server returns them as one colocated server would.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 from dsv4_engine.memory.staging import StagingArena, staged_nbytes
+from dsv4_engine.sampler import TokenLogprobs
 
 # Bytes of one request's aux slot: int64 first token, int64 generator-state length, the state
 # (5056 bytes for torch's CPU Mersenne Twister, 16 on CUDA), padded.
@@ -176,3 +180,66 @@ def unpack_aux(buf: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         raise PdError("bad_aux", f"aux slot holds an impossible generator-state length {n}")
     state = buf[_AUX_HEAD.size : _AUX_HEAD.size + n].clone() if n else None
     return int(token), state
+
+
+# ---- logprobs in the transfer's answer ----------------------------------------------------------
+def _entry(e: TokenLogprobs) -> list[Any]:
+    def value(lp: float) -> float | None:
+        return lp if math.isfinite(lp) else None  # JSON has no infinity; None reads back as -inf
+
+    return [e.token_id, value(e.logprob), [[t, value(lp)] for t, lp in e.top]]
+
+
+def _read_entry(item: Any) -> TokenLogprobs:
+    def value(lp: Any) -> float:
+        if lp is None:
+            return -math.inf
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)):
+            raise TypeError(f"logprob {lp!r} is not a number")
+        return float(lp)
+
+    token, lp, top = item
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise TypeError(f"token id {token!r} is not an integer")
+    return TokenLogprobs(token, value(lp), [(int(t), value(v)) for t, v in top])
+
+
+def logprobs_body(first: TokenLogprobs | None, prompt: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+    """What the prefill computed that the decode cannot: the first token's logprobs and the prompt's
+    (entry i for prompt token i + 1), each present only when the request asked for it."""
+    if first is None and prompt is None:
+        return None
+    return {
+        "first": None if first is None else _entry(first),
+        "prompt": None if prompt is None else [_entry(e) for e in prompt],
+    }
+
+
+def read_logprobs(
+    body: Any, params: Any, prompt_ids: list[int], first_token: int
+) -> tuple[TokenLogprobs | None, list[TokenLogprobs] | None]:
+    """The logprobs of `logprobs_body` the request asked for, checked against what the decode knows
+    (the first token, the prompt): a missing or mismatched list fails the request, never a guess."""
+
+    def mismatch(what: str) -> PdError:
+        return PdError("payload_mismatch", f"the prefill's logprobs do not fit the request: {what}")
+
+    body = body or {}
+    first: TokenLogprobs | None = None
+    prompt: list[TokenLogprobs] | None = None
+    try:
+        if params.logprobs is not None:
+            if body.get("first") is None:
+                raise mismatch("the first token's logprobs are missing")
+            first = _read_entry(body["first"])
+            if first.token_id != first_token:
+                raise mismatch(f"they are for token {first.token_id}, the first token is {first_token}")
+        if params.prompt_logprobs is not None:
+            if body.get("prompt") is None:
+                raise mismatch("the prompt's logprobs are missing")
+            prompt = [_read_entry(e) for e in body["prompt"]]
+            if [e.token_id for e in prompt] != prompt_ids[1:]:
+                raise mismatch(f"{len(prompt)} prompt entries for a prompt of {len(prompt_ids)} tokens")
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise mismatch(str(exc)) from exc
+    return first, prompt

@@ -2,8 +2,11 @@
 
 `plan_writes` pairs the sender's and the receiver's page lists (both built by `dsv4_state_payloads`
 on their own request row) index by index and turns them into Mooncake's three parallel lists, one
-entry per contiguous run of pages per buffer. `MooncakeTransport` registers the pools and performs
-the writes over Mooncake's TransferEngine (P2P handshake: no metadata server).
+entry per contiguous run of pages per buffer; `plan_packed` plans one side's runs against a packed
+staging span instead, and `split_pieces` cuts a packed write into pieces. `choose_write`, a cost
+model with measured constants (`COSTS`), picks each write's path: direct, staged, pack_only or
+unpack_only, pipelined or not. `MooncakeTransport` registers the pools and performs the writes over
+Mooncake's TransferEngine (P2P handshake: no metadata server).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,17 +45,102 @@ MOONCAKE_ENV_DEFAULTS: dict[str, str] = {
 }
 
 
-# The cost model that decides whether a write goes staged (the sender packs the pages into one span,
-# one entry, the receiver unpacks): bench/pd_transfer.py, small preset, 4096 tokens, fragmented pools,
-# 2 shared cores: each entry past the first costs ~18 us (302 entries 6.9 ms, one entry 1.6 ms), and
-# packing or unpacking runs at about memcpy's single-thread rate (kernels/pages.cpp, ~10 GB/s).
-ENTRY_SECONDS = 18e-6
-STAGE_BYTES_PER_SECOND = 10e9
+# ---- the cost model: which path one write takes --------------------------------------------------
+#
+# One write moves `nbytes` of a request's pages. The paths differ in who packs and in how many
+# entries Mooncake pays for (bench/pd_transfer.py measures each side by side):
+#   direct       an entry per run where both sides' pages step by one, per layer buffer;
+#   staged       the prefill packs (memory/staging.py's layout), one entry into the decode's staging
+#                span, the decode unpacks;
+#   pack_only    the prefill packs, then an entry per run of the *decode's* pages (the packed side is
+#                contiguous, so only the destination's jumps split it): the destination is contiguous;
+#   unpack_only  an entry per run of the *prefill's* pages into the decode's span, the decode
+#                unpacks: the source is contiguous.
+# A path that packs can be pipelined: cut into pieces, piece k+1 is packed while piece k is on the
+# wire (MooncakeTransport.write_pipelined).
+PATHS = ("direct", "staged", "pack_only", "unpack_only")
+PACKING = ("staged", "pack_only")  # the prefill packs: needs its arena
+UNPACKING = ("staged", "unpack_only")  # the decode unpacks: needs a staging span of its own
+PIECES = (1, 2, 4)
 
 
-def stage_pays(entries: int, nbytes: int) -> bool:
-    """Whether packing `nbytes` on both sides (one entry) beats writing them as `entries` entries."""
-    return (entries - 1) * ENTRY_SECONDS > 2 * nbytes / STAGE_BYTES_PER_SECOND
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per unit of each part of a write (the constants: COSTS)."""
+
+    entry: float  # per entry past the first (TCP: per-entry bookkeeping, whatever its size)
+    wire: float  # per byte, moved as one large entry
+    pack: float  # per byte packed by the prefill (kernels/pages.cpp gather)
+    unpack: float  # per byte unpacked by the decode (scatter into pages that are cold in cache)
+    piece: float  # per piece past the first: its submit and its wait
+    overlap: float  # share of the shorter stage a pipeline hides (1: perfect, 0: none)
+
+
+# Medians of eight runs of bench/pd_transfer.py (its "cost model" table; piece and overlap of the
+# last five, which measured them as it does now): small preset, one 4096-token request (3.92 MiB),
+# loopback, Mooncake 0.3.13.post1 with MOONCAKE_ENV_DEFAULTS, one torch thread a side, 2 cores shared
+# with other jobs (load 1.1-1.8). Ranges: entry 20-58 us; wire 0.74-2.50 GB/s; pack 2.4-3.1 GB/s;
+# unpack 2.3-3.2 GB/s; piece 58-126 us; overlap 0-1 (on loopback the "wire" is CPU work too, on the
+# same two cores the pack runs on, so how much a pipeline hides swings with the load).
+COSTS = Costs(entry=39e-6, wire=1 / 1.72e9, pack=1 / 2.45e9, unpack=1 / 2.5e9, piece=68e-6, overlap=0.4)
+
+
+@dataclass(frozen=True)
+class WriteShape:
+    """What the cost model needs of one write: its bytes, and its entries on each path."""
+
+    nbytes: int
+    direct: int  # runs on both sides, per buffer
+    source_runs: int  # runs of the prefill's pages, per buffer (unpack_only)
+    destination_runs: int  # runs of the decode's pages, per buffer (pack_only)
+
+    def entries(self, path: str, pieces: int = 1) -> int:
+        # A cut between pieces can split a run in two: at most one more entry per extra piece.
+        return {
+            "direct": self.direct,
+            "staged": pieces,
+            "pack_only": self.destination_runs + pieces - 1,
+            "unpack_only": self.source_runs,
+        }[path]
+
+
+def write_seconds(shape: WriteShape, path: str, pieces: int = 1, costs: Costs = COSTS) -> float:
+    """The model's time for one write on `path`, packing (if it packs) in `pieces` pieces.
+
+    Packing and sending form a two-stage pipeline of `pieces` equal steps: each overlapped step costs
+    the longer stage plus the part of the shorter one overlapping does not hide."""
+    if path not in PATHS:
+        raise ValueError(f"unknown write path {path!r}; one of {PATHS}")
+    if pieces < 1 or (pieces > 1 and path not in PACKING):
+        raise ValueError(f"{path} cannot be cut into {pieces} pieces")
+    send = max(shape.entries(path, pieces) - 1, 0) * costs.entry + shape.nbytes * costs.wire
+    unpack = shape.nbytes * costs.unpack if path in UNPACKING else 0.0
+    if path not in PACKING:
+        return send + unpack
+    a, b = shape.nbytes * costs.pack / pieces, send / pieces
+    step = max(a, b) + (1 - costs.overlap) * min(a, b) + costs.piece
+    return a + b + (pieces - 1) * step + unpack
+
+
+def choose_write(
+    shape: WriteShape, *, can_pack: bool, can_unpack: bool, costs: Costs = COSTS
+) -> tuple[str, int]:
+    """(path, pieces) the model expects to be fastest among those both sides have room for; direct
+    wins ties (it needs neither arena)."""
+    best, best_s = ("direct", 1), write_seconds(shape, "direct", 1, costs)
+    for path in PATHS[1:]:
+        if (path in PACKING and not can_pack) or (path in UNPACKING and not can_unpack):
+            continue
+        for pieces in PIECES if path in PACKING else (1,):
+            seconds = write_seconds(shape, path, pieces, costs)
+            if seconds < best_s:
+                best, best_s = (path, pieces), seconds
+    return best
+
+
+def path_label(path: str, pieces: int) -> str:
+    """The `path` label of dsv4_pd_transfer_writes_total (server/metrics.PD_WRITE_PATHS)."""
+    return f"{path}_pipelined" if pieces > 1 else path
 
 
 class TransferError(RuntimeError):
@@ -194,6 +282,85 @@ def plan_writes(
     return out
 
 
+def side_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first page, first packed index, pages) of runs of one side's pages alone.
+
+    The packed index counts the non-sentinel pages before it (memory/staging.py's layout skips
+    sentinels), so a run is contiguous both in that side's buffers and in the packed span."""
+    runs: list[tuple[int, int, int]] = []
+    i = 0
+    for p in pages:
+        if p == 0:
+            continue
+        if runs and p == runs[-1][0] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((p, i, 1))
+        i += 1
+    return runs
+
+
+Segments = list[tuple["StateType", list[int]]]  # (state type, its page list slice) in span order
+
+
+def plan_packed(
+    components: list[StateComponent], ptrs: dict[StateType, list[int]], segments: Segments, packed: int,
+    *, into_packed: bool,
+) -> Entries:  # fmt: skip
+    """Entries between one side's pages and a packed span at address `packed` (segments one after
+    another in memory/staging.py's layout): pages -> span if into_packed (unpack_only: the prefill's
+    pages into the decode's span), else span -> pages (pack_only: the prefill's arena into the
+    decode's pages). `ptrs` are that side's buffer bases per type, in `components`' buffer order."""
+    items = {c.state_type: c.item_lens for c in components}
+    out, at = Entries(), packed
+    for state_type, pages in segments:
+        runs = side_runs(pages)
+        n = sum(r[2] for r in runs)
+        for base, item in zip(ptrs[state_type], items[state_type], strict=True):
+            for page, index, count in runs:
+                src, dst = base + page * item, at + index * item
+                out.add(*((src, dst) if into_packed else (dst, src)), count * item)
+            at += n * item
+    return out
+
+
+def write_shape(
+    components: list[StateComponent], src: dict[StateType, list[int]], dst: dict[StateType, list[int]],
+    direct: int,
+) -> WriteShape:  # fmt: skip
+    """The cost model's view of one write: `direct` is len(plan_writes(...)) of the same pages."""
+    buffers = {c.state_type: c.item_lens for c in components}
+    nbytes = sum(sum(1 for p in pages if p) * sum(buffers[t]) for t, pages in src.items())
+    one_side = [sum(len(side_runs(pages[t])) * len(buffers[t]) for t in pages) for pages in (src, dst)]
+    return WriteShape(nbytes, direct, *one_side)
+
+
+def split_pieces(
+    segments: list[tuple[StateType, int, list[int]]], page_bytes: dict[StateType, int], pieces: int
+) -> list[list[tuple[StateType, int, int]]]:
+    """Cut (state type, first position, page list slice) segments into at most `pieces` pieces of
+    about equal bytes, at page boundaries, each a list of (type, lo, hi) positions in span order.
+    Sub-segments without a real page are dropped (they pack to nothing)."""
+    total = sum(sum(1 for p in pages if p) * page_bytes[t] for t, _, pages in segments)
+    out: list[list[tuple[StateType, int, int]]] = [[]]
+    done, target = 0, total / max(pieces, 1)
+    for t, lo, pages in segments:
+        start, real = 0, False
+        for k, p in enumerate(pages):
+            if not p:
+                continue
+            if done >= target * len(out) and len(out) < pieces and (out[-1] or real):
+                if real:
+                    out[-1].append((t, lo + start, lo + k))
+                out.append([])
+                start, real = k, False
+            done += page_bytes[t]
+            real = True
+        if real:
+            out[-1].append((t, lo + start, lo + len(pages)))
+    return [piece for piece in out if piece]
+
+
 # ---- transport ---------------------------------------------------------------------------------
 
 
@@ -290,6 +457,41 @@ class MooncakeTransport:
                     f"Mooncake write to {peer_session} failed (rc {rc}): batch {i + 1} of "
                     f"{-(-len(entries) // max_entries)}, {len(part)} of {len(entries)} entries, "
                     f"{part.nbytes} bytes"
+                )
+
+    def write_pipelined(
+        self,
+        peer_session: str,
+        pieces: Iterable[tuple[Callable[[], None], Entries]],
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+    ) -> None:
+        """Each piece's prepare() (its pack) runs while the earlier pieces are on the wire, then its
+        entries are submitted; returns once every submitted batch has ended, and only then raises
+        (a failed submit, a failed batch, a prepare that raised). So a caller may free the sources
+        (the arena span, the pages) as soon as this returns, whatever happened."""
+        engine = self._live_engine()
+        batches: list[tuple[int, int]] = []  # (batch id, entries)
+        failures: list[str] = []
+        try:
+            for prepare, entries in pieces:
+                prepare()
+                for part in entries.split(max_entries):
+                    batch = engine.batch_transfer_async_write(peer_session, part.src, part.dst, part.lens)
+                    if not batch:  # 0: refused at submit (peer unknown or unreachable)
+                        failures.append(f"submit of {len(part)} entries refused")
+                        return
+                    batches.append((batch, len(part)))
+        finally:
+            # Each batch waited for on its own, failed or not: none may still read its sources (the
+            # arena span, the pages) once this returns.
+            for batch, n in batches:
+                rc = engine.get_batch_transfer_status([batch])
+                if rc != 0:
+                    failures.append(f"a batch of {n} entries failed (rc {rc})")
+            if failures:
+                raise TransferError(
+                    f"Mooncake pipelined write to {peer_session} failed: {'; '.join(failures)} "
+                    f"({len(batches)} batches submitted)"
                 )
 
     def close(self) -> None:

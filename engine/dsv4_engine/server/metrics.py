@@ -39,6 +39,12 @@ PD_FAILURE_REASONS = (
     "transfer_failed", "transfer_timeout", "unknown_room", "unknown_session",
 )  # fmt: skip
 
+# How the prefill writes a request's pages (disagg/transfer.py: PATHS, path_label), each counter
+# present from the start at 0 (tests/monitoring checks the list against the code).
+PD_WRITE_PATHS = (
+    "direct", "staged", "staged_pipelined", "pack_only", "pack_only_pipelined", "unpack_only",
+)  # fmt: skip
+
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
@@ -232,10 +238,15 @@ class ServerMetrics:
         self.pd_writes = Counter(
             f"{PREFIX}_pd_transfer_writes",
             "Mooncake writes to decode servers (prefill side), by path: direct (an entry per page run "
-            "per layer buffer) or staged (the pages packed into one entry, unpacked by the decode).",
+            "per layer buffer), staged (packed here, one entry, unpacked by the decode), pack_only "
+            "(packed here, an entry per run of the decode's pages), unpack_only (an entry per run of "
+            "ours into the decode's span, unpacked there); _pipelined: packed in pieces, each while "
+            "the one before is on the wire.",
             ["path"],
             registry=r,
         )
+        for path in PD_WRITE_PATHS:
+            self.pd_writes.labels(path)
         self.pd_failures = Counter(
             f"{PREFIX}_pd_failures", "PD requests that failed, by reason.", ["reason"], registry=r
         )

@@ -59,9 +59,15 @@ async def deaf(request: Request, on: bool = True) -> JSONResponse:
 
 @router.post("/pd/staging")
 async def staging(request: Request, mode: str) -> JSONResponse:
-    """Prefill: write every job packed ("always"), never ("never"), or by the cost model ("auto")."""
-    if mode not in ("always", "never", "auto"):
-        return JSONResponse({"error": f"mode must be always, never or auto, got {mode!r}"}, status_code=400)
+    """Prefill: write every job on one path (a `dsv4_pd_transfer_writes_total` path label; "always"
+    is staged, "never" direct) where both sides have room for it, or by the cost model ("auto")."""
+    from dsv4_engine.server.metrics import PD_WRITE_PATHS
+
+    modes = ("auto", "always", "never", *PD_WRITE_PATHS)
+    if mode not in modes:
+        return JSONResponse(
+            {"error": f"mode must be one of {', '.join(modes)}, got {mode!r}"}, status_code=400
+        )
     request.app.state.ctx.pd.stage_mode = mode
     return JSONResponse({"mode": mode})
 
@@ -88,6 +94,7 @@ async def state(request: Request) -> JSONResponse:
     bridge = ctx.bridge
     return JSONResponse(
         {
+            "pid": os.getpid(),  # tests check a port answers from the process they started
             "phase": ctx.phase.value,
             "inflight": ctx.inflight,
             "open": len(bridge.open_handles()) if bridge is not None else 0,
