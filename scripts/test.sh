@@ -6,6 +6,10 @@ bash scripts/setup.sh
 # Real Kubernetes tier: kube-apiserver and kube-controller-manager built once from Debian's source
 # package, cached outside the repo by version (skipped when DSV4_KUBE_* point at prebuilt ones).
 bash scripts/build-kube.sh
+# sglang's bench_serving client in a venv of its own, cached by version outside the repo
+# (tests/server/test_server_bench_serving.py): it needs torch 2.14.1 and torchvision, not .venv's
+# torch, so only the tests install it, never the main command.
+bash scripts/get-sglang-bench.sh >/dev/null
 source .venv/bin/activate
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 ruff check .

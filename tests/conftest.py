@@ -3,10 +3,11 @@ tests must not pull in torch)."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -49,3 +50,136 @@ def hf_models(checkpoints: dict[str, Path]) -> Callable[[str], Any]:
         return cache[name]
 
     return get
+
+
+# ---- lm-eval 0.4.13 as a client (tests/server/test_server_lm_eval.py, tests/up) --------------------
+class LmEval:
+    """A loglikelihood multiple-choice task and a `generate_until` task from local task YAMLs and JSONL
+    datasets (nothing is downloaded), run by lm-eval's real `local-completions` model in-process."""
+
+    GEN_TOKENS = 6
+    UNTIL: ClassVar[list[str]] = ["\n\n", "Question:"]
+    MC_DOCS: ClassVar[list[dict[str, Any]]] = [
+        {"question": "The sky on a clear day is", "choices": ["blue", "green", "made of paper"], "label": 0},
+        {"question": "Two plus two equals", "choices": ["three", "four"], "label": 1},
+        {
+            "question": "A page of the KV cache holds",
+            "choices": ["tokens", "cats", "rain", "nothing"],
+            "label": 0,
+        },
+    ]
+    GEN_DOCS: ClassVar[list[dict[str, Any]]] = [
+        {"question": "Name a colour.", "answer": "blue"},
+        {"question": "What does the engine serve?", "answer": "a model"},
+    ]
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.tasks = self._write_tasks()
+
+    def _write_tasks(self) -> Path:
+        root = self.root
+        for name, docs in (("mc", self.MC_DOCS), ("gen", self.GEN_DOCS)):
+            (root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+        common = {
+            "dataset_path": "json",
+            "test_split": "test",
+            "doc_to_text": "Question: {{question}}\nAnswer:",
+        }
+        mc = {
+            **common, "task": "dsv4_local_mc", "output_type": "multiple_choice",
+            "dataset_kwargs": {"data_files": {"test": str(root / "mc.jsonl")}},
+            "doc_to_choice": "{{choices}}", "doc_to_target": "label",
+            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+        }  # fmt: skip
+        gen = {
+            **common, "task": "dsv4_local_gen", "output_type": "generate_until",
+            "dataset_kwargs": {"data_files": {"test": str(root / "gen.jsonl")}},
+            "doc_to_target": "{{answer}}",
+            "generation_kwargs": {
+                "until": self.UNTIL, "max_gen_toks": self.GEN_TOKENS, "do_sample": False, "temperature": 0,
+            },
+            "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        }  # fmt: skip
+        tasks = root / "tasks"
+        tasks.mkdir()
+        for cfg in (mc, gen):  # JSON is YAML: no yaml.dump quirks
+            (tasks / f"{cfg['task']}.yaml").write_text(json.dumps(cfg, indent=1))
+        return tasks
+
+    def run(
+        self, base_url: str, model: str, tokenizer: Path, **model_args: Any
+    ) -> tuple[dict[str, Any], Any]:
+        """lm-eval's results (with samples) and its model object, offline: any download fails the run."""
+        mp = pytest.MonkeyPatch()
+        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            mp.setenv(var, "1")
+        mp.setenv("HF_DATASETS_CACHE", str(self.root / "hf-datasets"))
+        mp.setenv("HF_HOME", str(self.root / "hf-home"))
+        try:
+            from lm_eval import simple_evaluate
+            from lm_eval.api.registry import get_model
+            from lm_eval.tasks import TaskManager
+
+            lm = get_model("local-completions")(
+                base_url=f"{base_url}/v1/completions", model=model, tokenizer=str(tokenizer),
+                tokenizer_backend="huggingface", max_retries=1, max_length=512, **model_args,
+            )  # fmt: skip
+            results = simple_evaluate(
+                model=lm,
+                tasks=["dsv4_local_mc", "dsv4_local_gen"],
+                task_manager=TaskManager(include_path=str(self.tasks), include_defaults=False),
+                log_samples=True,
+                bootstrap_iters=0,
+            )
+        finally:
+            mp.undo()
+        return results, lm
+
+    def check(self, results: dict[str, Any], lm: Any, llm: Any) -> None:
+        """lm-eval's answers are the engine's (`llm`, an `LLM` on the served checkpoint): every
+        loglikelihood the sum of the engine's prompt logprobs over the continuation's own ids, every
+        generation its greedy text for lm-eval's ids, cut at the first stop string."""
+        import math
+
+        from dsv4_engine.sampling_params import SamplingParams
+
+        samples = results["samples"]["dsv4_local_mc"]
+        assert len(samples) == len(self.MC_DOCS)
+        assert 0.0 <= results["results"]["dsv4_local_mc"]["acc,none"] <= 1.0
+        checked = 0
+        for sample in samples:
+            assert len(sample["resps"]) == len(sample["doc"]["choices"])
+            for (context, continuation), resp in zip(sample["arguments"], sample["resps"], strict=True):
+                got = resp[0][0]
+                ctx, cont = lm._encode_pair(context, continuation)  # lm-eval's own ids for the request
+                ref = llm.generate(
+                    [ctx + cont], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+                )
+                entries = ref[0].prompt_logprobs[len(ctx) :]
+                assert [e.token_id for e in entries] == cont
+                assert math.isfinite(got) and got < 0
+                assert got == pytest.approx(sum(e.logprob for e in entries), abs=1e-4), (
+                    context,
+                    continuation,
+                )
+                checked += 1
+        assert checked == sum(len(d["choices"]) for d in self.MC_DOCS)
+        samples = results["samples"]["dsv4_local_gen"]
+        assert len(samples) == len(self.GEN_DOCS)
+        assert results["results"]["dsv4_local_gen"]["exact_match,none"] in (0.0, 0.5, 1.0)
+        greedy = SamplingParams(temperature=0.0, max_tokens=self.GEN_TOKENS)
+        for sample in samples:
+            (context, gen_kwargs) = sample["arguments"][0]
+            assert gen_kwargs["until"] == self.UNTIL
+            ref = llm.generate([lm.tok_encode(context)], greedy)[0].text
+            for stop in self.UNTIL:  # the server stops at the first stop string and leaves it out
+                ref = ref.split(stop)[0]
+            assert sample["resps"][0][0] == ref
+
+
+@pytest.fixture
+def lm_eval(tmp_path: Path) -> LmEval:
+    if not os.environ.get("CI"):  # CI's scripts/setup.sh installs it: there a missing client fails
+        pytest.importorskip("lm_eval", reason="lm-eval is not installed (scripts/setup.sh installs it)")
+    return LmEval(tmp_path)

@@ -146,13 +146,8 @@ def test_penalties_bias_min_p_and_min_tokens_equal_colocated(cluster: dict[str, 
 @pytest.mark.parametrize(
     ("route", "body", "param"),
     [
-        ("/v1/completions", {"prompt": "x", "logprobs": 1}, "logprobs"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
-        (
-            "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-            "logprobs",
-        ),
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),  # one room for two choices
+        ("/generate", {"text": "x", "sampling_params": {"n": 2}}, "n"),
     ],
 )
 def test_what_does_not_travel_is_refused_by_both_legs(
@@ -205,22 +200,40 @@ def _writes(server: Any, path: str) -> float:
     return float(found[0].split()[-1]) if found else 0.0
 
 
+# Every write path but direct, forced on the prefill (the model picks direct for these fresh pools).
+# A pipelined path's jobs of a single page go unpipelined: both labels count for it.
+FORCED = {
+    "staged": ("staged",),
+    "staged_pipelined": ("staged_pipelined", "staged"),
+    "pack_only": ("pack_only",),
+    "pack_only_pipelined": ("pack_only_pipelined", "pack_only"),
+    "unpack_only": ("unpack_only",),
+}
+
+
+@pytest.mark.parametrize("mode", list(FORCED))
 def test_staged_transfers_equal_direct_ones(
-    cluster: dict[str, Any], references: dict[int, list[int]], pd: Any
+    cluster: dict[str, Any], references: dict[int, list[int]], pd: Any, mode: str
 ) -> None:
-    """Every job packed on the prefill and unpacked on the decode: the same output, the same bytes."""
+    """Every job on one path (packed on the prefill, unpacked on the decode, or only one of them,
+    pipelined or not): the same output, the same bytes. The staged path runs every prompt length,
+    the others a sample of them that crosses the same boundaries."""
     prefill, decode = cluster["P256"], cluster["D1"]
-    prefill.post("/debug/pd/staging", params={"mode": "always"}).raise_for_status()
+    lengths = LENGTHS if mode == "staged" else [1, 17, 130, 515, 1499]
+    prefill.post("/debug/pd/staging", params={"mode": mode}).raise_for_status()
+    labels = FORCED[mode]
     try:
-        staged, direct = _writes(prefill, "staged"), _writes(prefill, "direct")
+        before, direct = [_writes(prefill, x) for x in labels], _writes(prefill, "direct")
         greedy = {"temperature": 0, "ignore_eos": True}
         with cf.ThreadPoolExecutor(4) as ex:
             outs = list(
-                ex.map(lambda n: pd_generate(prefill, decode, random_ids(n, seed=n), pd, **greedy), LENGTHS)
+                ex.map(lambda n: pd_generate(prefill, decode, random_ids(n, seed=n), pd, **greedy), lengths)
             )
-        for n, out in zip(LENGTHS, outs, strict=True):
-            assert out == references[n], f"prompt of {n} tokens, staged"
-        assert _writes(prefill, "staged") - staged >= len(LENGTHS)  # at least the last job of each
+        for n, out in zip(lengths, outs, strict=True):
+            assert out == references[n], f"prompt of {n} tokens, {mode}"
+        after = [_writes(prefill, x) for x in labels]
+        assert after[0] > before[0]  # the path itself was taken...
+        assert sum(after) - sum(before) >= len(lengths)  # ...by at least the last job of each
         assert _writes(prefill, "direct") == direct
         body = pd.pd_body(
             prefill, {"input_ids": random_ids(700, seed=4), "sampling_params": {"max_new_tokens": 2}}
@@ -273,3 +286,145 @@ def test_metrics_and_request_ids_on_both_servers(cluster: dict[str, Any], pd: An
     for server in (cluster["P128"], cluster["D2"]):
         assert "x-request-id=pd-trace-42" in server.log()
     assert '"layout_fingerprint_id"' in httpx.get(f"{cluster['D2'].base}/server_info").text
+
+
+# ---- logprobs and n through PD -------------------------------------------------------------------
+CHAT = [{"role": "user", "content": "What does a page of the cache hold? " * 12}]  # > 128 tokens
+
+
+def both(prefill: Any, decode: Any, create: Any, pd: Any, **kw: Any) -> tuple[Any, Any]:
+    """One openai-client call on both legs at once (the router's dispatch), the bootstrap fields and
+    `ignore_eos` in extra_body; streamed responses are read to the end."""
+    extra = {**pd.pd_body(prefill, {}), "ignore_eos": True, **kw.pop("extra_body", {})}
+    if kw.get("n", 1) > 1:  # one room per choice, as sglang-router sends for chat
+        extra |= {k: [extra[k]] * kw["n"] for k in ("bootstrap_host", "bootstrap_port")}
+        extra["bootstrap_room"] = [extra["bootstrap_room"] + j for j in range(kw["n"])]
+
+    def call(server: Any) -> Any:
+        out = create(client(server))(model="tiny", extra_body=extra, **kw)
+        return list(out) if kw.get("stream") else out
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        p, d = ex.submit(call, prefill), ex.submit(call, decode)
+        return p.result(), d.result()
+
+
+def choice_lps(choices: list[Any]) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """(token, logprob, top alternatives) of every output token of these choices, in order."""
+    out = []
+    for choice in choices:
+        for e in (choice.logprobs.content or []) if choice.logprobs else []:
+            out.append((e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]))
+    return out
+
+
+def chat_lps(response: Any) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """choice_lps of a response, or of its streamed chunks together."""
+    chunks = response if isinstance(response, list) else [response]
+    return choice_lps([choice for c in chunks for choice in c.choices])
+
+
+def same_lps(got: list[Any], want: list[Any]) -> bool:
+    def key(entries: list[Any]) -> list[Any]:
+        return [(t, round(lp, 3), [(a, round(b, 3)) for a, b in top]) for t, lp, top in entries]
+
+    return len(got) == len(want) and key(got) == key(want)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_through_pd_equal_colocated(cluster: dict[str, Any], pd: Any, stream: bool) -> None:
+    """The first token's logprobs come from the prefill with the transferred state, the rest from
+    the decode: together they are the colocated server's, streamed and not."""
+    kw = {"messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    want = client(cluster["C"]).chat.completions.create(model="tiny", extra_body={"ignore_eos": True}, **kw)
+    p, d = both(cluster["P128"], cluster["D1"], lambda c: c.chat.completions.create, pd, stream=stream, **kw)
+    assert len(chat_lps(want)) == MAX_TOKENS and same_lps(chat_lps(d), chat_lps(want))
+    assert same_lps(chat_lps(p), chat_lps(want)[:1])  # the prefill's own answer: the first token
+    pd.settle(cluster["P128"], cluster["D1"], initial=cluster["initial"])
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_logprobs_through_pd_equal_colocated(cluster: dict[str, Any], pd: Any, max_tokens: int) -> None:
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) on a prompt the prefill chunks:
+    the decode returns the prompt's logprobs, which only the prefill computed."""
+    prompt = random_ids(300, seed=5)
+    kw = {"prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 2, "temperature": 0}
+    want = client(cluster["C"]).completions.create(model="tiny", extra_body={"ignore_eos": True}, **kw)
+    _, d = both(cluster["P128"], cluster["D2"], lambda c: c.completions.create, pd, **kw)
+    got, ref = d.choices[0].logprobs, want.choices[0].logprobs
+    assert len(ref.tokens) == len(prompt) + max_tokens and got.tokens == ref.tokens
+    assert got.token_logprobs[0] is None and got.token_logprobs[1:] == pytest.approx(
+        ref.token_logprobs[1:], abs=1e-4
+    )
+    assert [sorted(t) for t in got.top_logprobs[1:]] == [sorted(t) for t in ref.top_logprobs[1:]]
+    pd.settle(cluster["P128"], cluster["D2"], initial=cluster["initial"])
+
+
+def test_generate_return_logprob_through_pd(cluster: dict[str, Any], pd: Any) -> None:
+    """/generate: the decode returns the prompt's and the output's logprobs; the prefill leaves the
+    prompt's out (sglang-router 0.3.2 prepends the prefill's list to the decode's)."""
+    body = {
+        "input_ids": random_ids(200, seed=6), "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+    }  # fmt: skip
+    want = cluster["C"].post("/generate", json=body).json()["meta_info"]
+    p, d = pd.send_pair(cluster["P256"], cluster["D1"], pd.pd_body(cluster["P256"], body), "/generate")
+    assert p.status_code == d.status_code == 200, (p.text, d.text)
+    got = d.json()["meta_info"]
+    assert p.json()["meta_info"]["input_token_logprobs"] == []
+    assert len(got["input_token_logprobs"]) == 200 and len(got["output_token_logprobs"]) == 4
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert [e[1] for e in got[key]] == [e[1] for e in want[key]]
+        assert [e[0] for e in got[key]] == [
+            None if e[0] is None else pytest.approx(e[0], abs=1e-4) for e in want[key]
+        ]
+    pd.settle(cluster["P256"], cluster["D1"], initial=cluster["initial"])
+
+
+def test_n_logprobs_and_echo_through_the_router(cluster: dict[str, Any], pd: Any, router: Any) -> None:
+    """What evaluation clients send, through sglang-router 0.3.2: chat `n` (a room per choice),
+    completions echo logprobs and /generate return_logprob (the router merges the prefill's prompt
+    logprobs into the decode's: they must come out once, not twice)."""
+    r = router("LP", [cluster["P128"]], [cluster["D2"]])
+    via = r.client(timeout=300)
+    kw = {"messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 7, "n": 3}
+    kw |= {"logprobs": True, "top_logprobs": 1}
+    want = client(cluster["C"]).chat.completions.create(model="tiny", **kw)
+    got = via.chat.completions.create(model="tiny", **kw)
+    texts = [c.message.content for c in want.choices]
+    assert len(set(texts)) > 1 and [c.message.content for c in got.choices] == texts
+    for g, w in zip(got.choices, want.choices, strict=True):
+        assert same_lps(choice_lps([g]), choice_lps([w]))
+    # sglang-router 0.3.2 takes only text prompts on /v1/completions (token ids are a 422 there).
+    kw = {"prompt": "A page of the cache holds " * 30, "max_tokens": 0, "echo": True, "logprobs": 1}
+    got_c = via.completions.create(model="tiny", **kw).choices[0].logprobs
+    want_c = client(cluster["C"]).completions.create(model="tiny", **kw).choices[0].logprobs
+    assert len(got_c.tokens) > 128 and got_c.tokens == want_c.tokens
+    assert got_c.token_logprobs[1:] == pytest.approx(want_c.token_logprobs[1:], abs=1e-4)
+    prompt = random_ids(150, seed=8)
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    body |= {"return_logprob": True, "logprob_start_len": 0}
+    got_g = httpx.post(f"{r.base}/generate", json=body, timeout=300).json()["meta_info"]
+    assert [e[1] for e in got_g["input_token_logprobs"]] == prompt
+    pd.settle(cluster["P128"], cluster["D2"], initial=cluster["initial"])
+
+
+def test_a_stop_string_in_the_first_token_ends_both_legs(
+    cluster: dict[str, Any], pd: Any, tiny_model: Any
+) -> None:
+    """A stop string the first token already completes ends the request on both servers: the
+    prefill's response still waits for its transfer (ending it early would abort the room under the
+    decode server, which then fails the request)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    for seed in range(20):  # a prompt whose first greedy token has printable text
+        prompt = random_ids(40, seed=100 + seed)
+        text = tokenizer.decode(colocated(cluster["C"], prompt, pd, temperature=0, ignore_eos=True)[:1])
+        if text.strip() and "\ufffd" not in text:
+            break
+    kw = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": [text]}
+    p, d = both(cluster["P128"], cluster["D1"], lambda c: c.completions.create, pd, **kw)
+    for leg in (p, d):
+        assert (leg.choices[0].finish_reason, leg.choices[0].text) == ("stop", "")
+    pd.settle(cluster["P128"], cluster["D1"], initial=cluster["initial"])

@@ -182,6 +182,10 @@ def test_detokenize_inverts_tokenize(base: str, tokenizer: Any) -> None:
     assert r.status_code == 200 and r.json() == {"prompt": text}
     with_bos = httpx.post(f"{base}/detokenize", json={"tokens": tokenizer.encode("Hi")}).json()["prompt"]
     assert with_bos == tokenizer.bos_token + "Hi"  # vLLM's: special tokens are not skipped
+    # ...and tokenizing that text again gives the same ids: its BOS is not doubled (lm-eval's
+    # tokenized_requests=False decodes its own ids, BOS included, and counts positions in them)
+    again = httpx.post(f"{base}/tokenize", json={"prompt": with_bos}).json()["tokens"]
+    assert again == tokenizer.encode("Hi") and again.count(tokenizer.bos_token_id) == 1
     assert httpx.post(f"{base}/detokenize", json={"tokens": []}).json() == {"prompt": ""}
 
 

@@ -70,9 +70,9 @@ def _error(model: Any, body: dict[str, Any]) -> ApiError:
         ),
         (
             GenerateRequest,
-            {"text": "x", "sampling_params": {"n": 2}},
+            {"text": "x", "sampling_params": {"n": 129}},
             "sampling_params.n",
-            "unsupported_parameter",
+            "invalid_value",
         ),
         (CompletionRequest, {"prompt": "x", "temperature": 2.5}, "temperature", "invalid_value"),
         (CompletionRequest, {"prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
@@ -144,12 +144,17 @@ def _error(model: Any, body: dict[str, Any]) -> ApiError:
             "messages[0].content[0].type",
             "unsupported_parameter",
         ),
-        (GenerateRequest, {"text": "x", "return_logprob": True}, "return_logprob", "unsupported_parameter"),
         (
             GenerateRequest,
-            {"text": "x", "sampling_params": {"n": 2}},
-            "sampling_params.n",
+            {"text": "x", "token_ids_logprob": [1]},
+            "token_ids_logprob",
             "unsupported_parameter",
+        ),
+        (
+            GenerateRequest,
+            {"text": "x", "sampling_params": {"n": 129}},
+            "sampling_params.n",
+            "invalid_value",
         ),
         (
             GenerateRequest,

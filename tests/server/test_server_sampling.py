@@ -55,6 +55,7 @@ def refs(llm: Any) -> dict[str, Any]:
         (ids2, SamplingParams(temperature=0.0, max_tokens=1, logprobs=2, prompt_logprobs=2)),
         (ids2, SamplingParams(temperature=1.0, seed=SEED, max_tokens=MAX)),
         (ids2, SamplingParams(temperature=1.0, seed=SEED + 1, max_tokens=MAX)),
+        (text_ids, SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=3)),
     ]
     outs = [llm.generate([p], sp)[0] for p, sp in batch]
     keys = [
@@ -68,6 +69,7 @@ def refs(llm: Any) -> dict[str, Any]:
         "echo2",
         "b0",
         "b1",
+        "gen_lp",
     ]
     return {"text_ids": text_ids, "chat_ids": chat, "ids2": ids2, **dict(zip(keys, outs, strict=True))}
 
@@ -298,21 +300,91 @@ def test_completion_logprobs_without_echo(client: openai.OpenAI, base: str) -> N
     json.loads(raw.text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
 
 
+# ---- /generate: SGLang's logprobs and n ------------------------------------------------------------
+def _sglang_lists(entries: list[Any], ids: list[int]) -> tuple[list[Any], list[Any]]:
+    """What SGLang's /generate returns for engine entries (tiny's tokenizer decodes every id)."""
+    tokens = [
+        [None if e is None else pytest.approx(e.logprob, abs=1e-5), t]
+        for e, t in zip(entries, ids, strict=True)
+    ]
+    tops = [None if e is None else [[pytest.approx(lp, abs=1e-5), t] for t, lp in e.top] for e in entries]
+    return tokens, tops
+
+
+def test_generate_return_logprob_in_sglang_shapes(base: str, refs: dict[str, Any], tokenizer: Any) -> None:
+    ref, ids = refs["gen_lp"], refs["text_ids"]
+    body = {
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 1,
+        "return_text_in_logprobs": True,
+    }  # fmt: skip
+    r = httpx.post(f"{base}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    meta = out["meta_info"]
+    assert out["output_ids"] == ref.token_ids
+    tokens, tops = _sglang_lists(ref.logprobs, ref.token_ids)
+    assert [e[:2] for e in meta["output_token_logprobs"]] == tokens
+    assert [[x[:2] for x in top] for top in meta["output_top_logprobs"]] == tops
+    assert [e[2] for e in meta["output_token_logprobs"]] == [tokenizer.decode([t]) for t in ref.token_ids]
+    # the prompt from position 1 (position 0 has no logprob, so start 0 would begin with None)
+    tokens, tops = _sglang_lists(ref.prompt_logprobs[1:], ids[1:])
+    assert [e[:2] for e in meta["input_token_logprobs"]] == tokens
+    assert [[x[:2] for x in top] for top in meta["input_top_logprobs"]] == tops
+    # SGLang's default logprob_start_len (-1): output only; without return_logprob: no lists at all
+    r = httpx.post(f"{base}/generate", json={**body, "logprob_start_len": -1, "stream": True}, timeout=120)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    last = chunks[-1]["meta_info"]
+    assert last["input_token_logprobs"] == [] and len(last["output_token_logprobs"]) == len(ref.token_ids)
+    assert [e[0] for e in last["output_token_logprobs"]] == [
+        pytest.approx(e.logprob, abs=1e-5) for e in ref.logprobs
+    ]
+    plain = httpx.post(f"{base}/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})
+    assert "output_token_logprobs" not in plain.json()["meta_info"]
+
+
+def test_generate_n_gives_seeded_choices_streamed_and_not(base: str, refs: dict[str, Any]) -> None:
+    sp = {"max_new_tokens": MAX, "temperature": 1.0, "sampling_seed": SEED, "n": 2}
+    body = {"input_ids": refs["ids2"], "sampling_params": sp}
+    r = httpx.post(f"{base}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    want = [refs["b0"].token_ids, refs["b1"].token_ids]
+    assert want[0] != want[1] and [c["output_ids"] for c in r.json()] == want
+    r = httpx.post(f"{base}/generate", json={**body, "stream": True}, timeout=120)
+    last: dict[int, list[int]] = {}
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            last[chunk["index"]] = chunk["output_ids"]  # cumulative per choice
+    assert [last[0], last[1]] == want
+
+
 # ---- PD ---------------------------------------------------------------------------------------------
-def test_pd_servers_refuse_what_does_not_travel() -> None:
+def test_pd_servers_take_n_as_one_room_per_choice() -> None:
+    """`n > 1` on a PD server: a room per choice (what sglang-router sends for chat) gives one target
+    per sequence, prompt-major; a room per prompt (what it sends for completions) is a 400 naming n."""
     from dsv4_engine.server import pd
 
+    def req(room: Any) -> Any:
+        many = isinstance(room, list)
+        return SimpleNamespace(
+            bootstrap_room=room,
+            bootstrap_host=["h"] * len(room) if many else "h",
+            bootstrap_port=[7] * len(room) if many else 7,
+        )
+
     for mode in ("prefill", "decode"):
-        ctx = SimpleNamespace(settings=SimpleNamespace(disaggregation_mode=mode))
-        for name in ("logprobs", "top_logprobs", "n"):
+        ctx = SimpleNamespace(settings=SimpleNamespace(disaggregation_mode=mode, bootstrap_port=None))
+        got = pd.targets(ctx, req([1, 2, 3, 4]), 2, 2)  # type: ignore[arg-type]
+        assert [t.room for t in got or []] == [1, 2, 3, 4]
+        for rooms, prompts in ((5, 1), ([5, 6], 2)):
             with pytest.raises(ApiError) as info:
-                pd.check_features(ctx, {"logprobs": False, name: True})  # type: ignore[arg-type]
+                pd.targets(ctx, req(rooms), prompts, 2)  # type: ignore[arg-type]
             assert (info.value.status, info.value.param, info.value.code) == (
                 400,
-                name,
+                "n",
                 "unsupported_parameter",
             )
-            assert mode in info.value.message
-        pd.check_features(ctx, {"logprobs": False, "n": False})  # type: ignore[arg-type]
+            assert mode in info.value.message and "one bootstrap room per choice" in info.value.message
     colocated = SimpleNamespace(settings=SimpleNamespace(disaggregation_mode="null"))
-    pd.check_features(colocated, {"logprobs": True, "n": True})  # type: ignore[arg-type]
+    assert pd.targets(colocated, req(5), 1, 2) is None  # type: ignore[arg-type]

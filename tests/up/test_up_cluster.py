@@ -200,3 +200,21 @@ def test_up_runs_parallel_servers(tiny_model: Path, spec_for: Any, up: Any, tmp_
     for name in ("prefill-0", "decode-0"):
         log = (tmp_path / "logs" / f"{name}.log").read_text()
         assert "rank 1: process groups prewarmed" in log, log[-2000:]  # a second rank ran in it
+
+
+def test_lm_eval_through_up(tiny_model: Path, spec_for: Any, up: Any, lm_eval: Any) -> None:
+    """lm-eval's loglikelihood and generate_until tasks through the router in front of the PD pair:
+    the prompt's logprobs, which only the prefill computes, come back through the decode and equal
+    the engine's own. sglang-router 0.3.2 takes only text prompts on /v1/completions, so lm-eval runs
+    with `tokenized_requests=False`; `add_bos_token=True` makes its own ids start with the BOS that
+    the server keeps (it adds none to a text that already starts with one)."""
+    from dsv4_engine.llm import LLM
+
+    run = up(spec_for(tiny_model))
+    base = run.endpoint().removesuffix("/v1")
+    results, lm = lm_eval.run(
+        base, "dsv4-tiny", tiny_model, batch_size=4, tokenized_requests=False, add_bos_token=True
+    )
+    with LLM(tiny_model) as llm:
+        assert lm.tok_encode("x")[0] == llm.tokenizer.bos_token_id
+        lm_eval.check(results, lm, llm)

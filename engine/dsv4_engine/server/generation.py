@@ -8,6 +8,7 @@ engine request aborted as soon as a stop string matches or the caller goes away.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -112,6 +113,31 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     """The seed of choice `index` of a request with `n > 1`: seed + index (mod 2**63), as vLLM; so
     choice 0 is what the same request with n = 1 returns."""
     return None if seed is None else (seed + index) % 2**63
+
+
+def prepare_sequences(
+    ctx: ServerContext,
+    spec: GenSpec,
+    prompts: list[list[int]],
+    requested: int | None,
+    n: int,
+    prompt_param: str,
+    limit_param: str,
+    min_tokens_param: str = "min_tokens",
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The sequences of a request: n per prompt, prompt-major (choice index = prompt * n + j), each
+    an independent engine request (its prompt prefilled again) with seed + j."""
+    seqs: list[list[int]] = []
+    params: list[SamplingParams] = []
+    for ids in prompts:
+        limit = resolve_max_tokens(
+            ctx, len(ids), requested, prompt_param=prompt_param, limit_param=limit_param
+        )
+        base = sampling_params(spec, limit, min_tokens_param=min_tokens_param)
+        for j in range(n):
+            seqs.append(ids)
+            params.append(base if j == 0 else dataclasses.replace(base, seed=choice_seed(base.seed, j)))
+    return seqs, params
 
 
 def resolve_max_tokens(
@@ -248,7 +274,10 @@ async def outcomes(
                 text = stops.push(detok.push(event.token_ids, final=final), final=final, armed=armed)
             sent.append(text)
             if stops.matched is not None:
-                bridge.abort(handle)  # stop string reached: free the engine's pages now
+                if handle.pd_wait is not None:
+                    await _transferred(handle)  # a PD prefill's one token: its transfer must end first
+                else:
+                    bridge.abort(handle)  # stop string reached: free the engine's pages now
                 if text:
                     yield Piece(text, event.token_ids, new_logprobs, prompt_logprobs)
                 yield _outcome(handle, sent, detok, "stop", stops.matched, logprobs, prompt_logprobs)
@@ -257,10 +286,7 @@ async def outcomes(
                 yield Piece(text, event.token_ids, new_logprobs, prompt_logprobs)
             if final:
                 if handle.pd_wait is not None:  # PD prefill: done once the transfer ended
-                    try:
-                        await asyncio.shield(handle.pd_wait)
-                    except Exception as exc:
-                        raise _pd_api_error(exc) from exc
+                    await _transferred(handle)
                 reason = "length" if spec.hide_output else event.finish_reason or "stop"
                 matched = None
                 if reason == "stop" and detok.token_ids and detok.token_ids[-1] in ended:
@@ -272,6 +298,15 @@ async def outcomes(
         raise
     finally:
         bridge.abort(handle)  # no-op when the engine already finished it
+
+
+async def _transferred(handle: RequestHandle) -> None:
+    """Wait for a PD prefill request's transfer to end; its failure is the request's error."""
+    assert handle.pd_wait is not None
+    try:
+        await asyncio.shield(handle.pd_wait)
+    except Exception as exc:
+        raise _pd_api_error(exc) from exc
 
 
 def _pd_api_error(exc: BaseException) -> ApiError:

@@ -1,4 +1,5 @@
-"""The engine's logprobs (`sampler.TokenLogprobs`, raw model distribution) in OpenAI's shapes.
+"""The engine's logprobs (`sampler.TokenLogprobs`, raw model distribution) in OpenAI's shapes, and
+in SGLang's for /generate (`sglang_logprobs`).
 
 Chat: `choices[i].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
 bytes}]}], "refusal": null}`. Completions: `{tokens, token_logprobs, top_logprobs, text_offset}`,
@@ -144,3 +145,25 @@ def merge_parts(*parts: dict[str, list[Any]]) -> dict[str, list[Any]]:
         for key, values in part.items():
             out[key].extend(values)
     return out
+
+
+def sglang_logprobs(
+    entries: Sequence[TokenLogprobs | None],
+    token_ids: Sequence[int],
+    top: int,
+    words: TokenText | None,
+) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
+    """SGLang's `*_token_logprobs` and `*_top_logprobs` for `token_ids` (entries[j] for token j; None:
+    nothing predicts it): `[logprob, token id, text]` each, text only with `words`
+    (`return_text_in_logprobs`), and `top` alternatives per position."""
+
+    def one(token_id: int, logprob: float | None) -> list[Any]:
+        value = None if logprob is None else _value(logprob)
+        return [value, token_id, None if words is None else words.text(token_id)]
+
+    tokens: list[list[Any]] = []
+    tops: list[list[list[Any]] | None] = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        tokens.append(one(token_id, None if entry is None else entry.logprob))
+        tops.append(None if entry is None else [one(t, lp) for t, lp in entry.top[:top]])
+    return tokens, tops

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -23,10 +22,8 @@ from dsv4_engine.server.generation import (
     Outcome,
     Piece,
     check_token_ids,
-    choice_seed,
     outcomes,
-    resolve_max_tokens,
-    sampling_params,
+    prepare_sequences,
     start_all,
 )
 from dsv4_engine.server.logprobs import (
@@ -153,29 +150,6 @@ def finished(
     )
 
 
-def _prepare(
-    ctx: ServerContext,
-    spec: GenSpec,
-    prompts: list[list[int]],
-    requested: int | None,
-    prompt: str,
-    limit: str,
-    n: int,
-) -> tuple[list[list[int]], list[Any]]:
-    """The sequences of a request: n per prompt, prompt-major (choice index = prompt * n + j), each
-    an independent engine request (its prompt prefilled again) with seed + j."""
-    seqs: list[list[int]] = []
-    params: list[Any] = []
-    for ids in prompts:
-        base = sampling_params(
-            spec, resolve_max_tokens(ctx, len(ids), requested, prompt_param=prompt, limit_param=limit)
-        )
-        for j in range(n):
-            seqs.append(ids)
-            params.append(base if j == 0 else dataclasses.replace(base, seed=choice_seed(base.seed, j)))
-    return seqs, params
-
-
 async def _collect(
     ctx: ServerContext,
     request: Request,
@@ -200,7 +174,6 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     ctx.require_model(req.model)
     check_pd_fields(ctx, req)
     n = req.n or 1
-    pd.check_features(ctx, {"logprobs": req.logprobs is not None, "n": n > 1})
     texts = req.prompts()
     prompts = [await encode_prompt(ctx, p) for p in texts]
     requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -217,9 +190,9 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         if spec.min_tokens:
             raise bad_request("min_tokens must be 0 when max_tokens is 0", "min_tokens")
         spec.hide_output = True
-    seqs, params = _prepare(ctx, spec, prompts, max(requested, 1), "prompt", "max_tokens", n)
+    seqs, params = prepare_sequences(ctx, spec, prompts, max(requested, 1), n, "prompt", "max_tokens")
     echoes = [(p if isinstance(p, str) else ctx.tokenizer.decode(p)) if req.echo else "" for p in texts]
-    lease = start_all(ctx, seqs, params, arrival=arrival, targets=pd.targets(ctx, req, len(prompts)))
+    lease = start_all(ctx, seqs, params, arrival=arrival, targets=pd.targets(ctx, req, len(prompts), n))
     streams = [outcomes(ctx, h, spec) for h in lease.handles]
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -398,9 +371,6 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     ctx.require_model(req.model)
     check_pd_fields(ctx, req)
     n = req.n or 1
-    pd.check_features(
-        ctx, {"logprobs": bool(req.logprobs), "top_logprobs": bool(req.top_logprobs), "n": n > 1}
-    )
     ids = await encode_chat(ctx, req)
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     spec = spec_from(ctx, req)
@@ -410,8 +380,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     if chat and spec.grammar:
         raise bad_request("give response_format/tool_choice or json_schema/regex, not both", "json_schema")
     spec.grammar = chat or spec.grammar
-    seqs, params = _prepare(ctx, spec, [ids], req.token_limit(), "messages", limit, n)
-    lease = start_all(ctx, seqs, params, arrival=arrival, targets=pd.targets(ctx, req, 1))
+    seqs, params = prepare_sequences(ctx, spec, [ids], req.token_limit(), n, "messages", limit)
+    lease = start_all(ctx, seqs, params, arrival=arrival, targets=pd.targets(ctx, req, 1, n))
     streams = [outcomes(ctx, h, spec) for h in lease.handles]
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())

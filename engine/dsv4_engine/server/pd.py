@@ -36,16 +36,17 @@ def _items(value: Any, n: int, name: str) -> list[Any]:
     if isinstance(value, list):
         if len(value) != n:
             raise bad_request(
-                f"'{name}' has {len(value)} entries for {n} prompt(s); give one per prompt", name
+                f"'{name}' has {len(value)} entries for {n} sequence(s); give one per sequence", name
             )
         return value
     if n > 1:
-        raise bad_request(f"'{name}' must be a list with one entry per prompt for a batch of {n}", name)
+        raise bad_request(f"'{name}' must be a list with one entry per sequence for a batch of {n}", name)
     return [value]
 
 
-def targets(ctx: ServerContext, req: Any, n: int) -> list[PdTarget] | None:
-    """One PdTarget per prompt on a PD server; None on a colocated one (whose fields check rejects)."""
+def targets(ctx: ServerContext, req: Any, prompts: int, n: int = 1) -> list[PdTarget] | None:
+    """One PdTarget per sequence (prompt-major: prompt i, choice j is i * n + j) on a PD server; None
+    on a colocated one (whose fields check rejects)."""
     mode = ctx.settings.disaggregation_mode
     if mode == "null":
         return None
@@ -57,9 +58,21 @@ def targets(ctx: ServerContext, req: Any, n: int) -> list[PdTarget] | None:
                 name,
                 "missing_parameter",
             )
-    hosts = _items(req.bootstrap_host, n, "bootstrap_host")
-    ports = _items(req.bootstrap_port, n, "bootstrap_port")
-    rooms = _items(req.bootstrap_room, n, "bootstrap_room")
+    count = prompts * n
+    given = len(req.bootstrap_room) if isinstance(req.bootstrap_room, list) else 1
+    if n > 1 and given != count:
+        # Each choice is its own prefill and transfer, so it needs its own room.
+        raise bad_request(
+            f"'n' = {n} on a PD {mode} server needs one bootstrap room per choice ({count}), and the "
+            f"request has {given}: sglang-router 0.3.2 sends one room per choice for "
+            "/v1/chat/completions but one per prompt for /v1/completions and /generate; there, send "
+            "n requests (each with its own seed) or use chat completions",
+            "n",
+            "unsupported_parameter",
+        )
+    hosts = _items(req.bootstrap_host, count, "bootstrap_host")
+    ports = _items(req.bootstrap_port, count, "bootstrap_port")
+    rooms = _items(req.bootstrap_room, count, "bootstrap_room")
     out = []
     own = ctx.settings.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
     for host, port, room in zip(hosts, ports, rooms, strict=True):
@@ -79,35 +92,8 @@ def targets(ctx: ServerContext, req: Any, n: int) -> list[PdTarget] | None:
             )
         out.append(PdTarget(host.strip("[]"), port, room))
     if len({t.room for t in out}) != len(out):
-        raise bad_request("bootstrap_room must differ between the prompts of one request", "bootstrap_room")
+        raise bad_request("bootstrap_room must differ between the sequences of one request", "bootstrap_room")
     return out
-
-
-# Fields a PD server refuses (the value that means "on"), and why: what they need stays on one side.
-_NOT_THROUGH_PD = {
-    "logprobs": "the first token is sampled on the prefill server and its logprobs, like the prompt's, "
-    "are not sent to the decode server",
-    "top_logprobs": "the first token is sampled on the prefill server and its logprobs are not sent to "
-    "the decode server",
-    "n": "each choice would need its own bootstrap room, and the router sends one per prompt",
-}
-
-
-def check_features(ctx: ServerContext, asked: dict[str, bool]) -> None:
-    """On a prefill or decode server, a 400 naming the first asked-for feature that does not work
-    through PD (`_NOT_THROUGH_PD`). Both servers get the same body, so both refuse it alike."""
-    mode = ctx.settings.disaggregation_mode
-    if mode == "null":
-        return
-    for name, on in asked.items():
-        if on:
-            why = _NOT_THROUGH_PD[name]
-            raise bad_request(
-                f"'{name}' is not supported by a PD {mode} server (--disaggregation-mode {mode}): {why}; "
-                "send it to a colocated server",
-                name,
-                "unsupported_parameter",
-            )
 
 
 def pd_error(err: PdError) -> ApiError:

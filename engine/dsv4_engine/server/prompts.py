@@ -34,10 +34,16 @@ _RESERVED_TEMPLATE_KWARGS = {
 
 
 async def tokenize_text(ctx: ServerContext, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """The text's ids. A text that already starts with the BOS token (a client that decoded its own
+    token ids, such as lm-eval's `tokenized_requests=False` with `add_bos_token=True`) is not given a
+    second one, so its ids are the client's and its echoed logprobs line up with them."""
     if len(text) <= _INLINE_CHARS:
         ids = ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
     else:
         ids = await asyncio.to_thread(ctx.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    bos = getattr(ctx.tokenizer, "bos_token_id", None)
+    if add_special_tokens and bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+        ids = ids[1:]
     return list(ids)
 
 

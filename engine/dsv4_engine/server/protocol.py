@@ -466,7 +466,7 @@ class GenerateSamplingParams(_Strict):
     min_new_tokens: int | None = Field(None, ge=0, lt=2**31)
     logit_bias: dict[str, float] | None = None
     spaces_between_special_tokens: off(None, True) = None
-    n: off(None, 1) = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
     no_stop_trim: off(None, False) = None
     json_schema: str | None = None
     regex: str | None = None
@@ -495,11 +495,11 @@ class GenerateRequest(_Request):
     bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
     bootstrap_pair_key: str | list[str] | None = None
-    return_logprob: off(None, False) = None
-    logprob_start_len: off(None, -1) = None
-    top_logprobs_num: off(None, 0) = None
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = Field(None, ge=-1)  # -1 (SGLang's default): output tokens only
+    top_logprobs_num: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     token_ids_logprob: off(None) = None
-    return_text_in_logprobs: off(None, False) = None
+    return_text_in_logprobs: bool | None = None
     return_hidden_states: off(None, False) = None
     input_embeds: off(None) = None
     image_data: off(None) = None

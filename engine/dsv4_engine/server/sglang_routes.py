@@ -28,11 +28,12 @@ from dsv4_engine.server.generation import (
     Piece,
     check_token_ids,
     outcomes,
-    resolve_max_tokens,
+    prepare_sequences,
     sampling_params,
     start,
     start_all,
 )
+from dsv4_engine.server.logprobs import sglang_logprobs, token_text
 from dsv4_engine.server.openai_routes import check_pd_fields, finished, report_ignored
 from dsv4_engine.server.prompts import encode_prompt
 from dsv4_engine.server.protocol import GenerateRequest, logit_bias_ids, stop_list
@@ -199,22 +200,69 @@ def _finish(out: Outcome) -> dict[str, Any]:
     return {"type": out.finish_reason, "message": "request aborted"}
 
 
+class _Logprobs:
+    """What `return_logprob` adds to `meta_info`: SGLang's lists for the prompt from
+    `logprob_start_len` (none at its default -1) and for the output, `top_logprobs_num` alternatives
+    each. A PD prefill server leaves the prompt's out: the decode server returns them (they come with
+    the transferred state), and sglang-router 0.3.2 prepends the prefill's list to the decode's."""
+
+    def __init__(self, ctx: ServerContext, req: GenerateRequest) -> None:
+        self.on = bool(req.return_logprob)
+        self.top = req.top_logprobs_num or 0
+        self.start = -1 if req.logprob_start_len is None else req.logprob_start_len
+        self.own_prompt = ctx.settings.disaggregation_mode != "prefill"  # computed, sent, not returned
+        self.words = token_text(ctx.tokenizer) if req.return_text_in_logprobs else None
+
+    def apply(self, spec: GenSpec) -> None:
+        if self.on:
+            spec.logprobs = self.top
+            if self.start >= 0:
+                spec.prompt_logprobs = self.top  # only these requests pay for every prompt row
+
+    def meta(
+        self, prompt: list[int], prompt_lps: list[Any] | None, ids: list[int], lps: list[Any] | None
+    ) -> dict[str, Any]:
+        if not self.on:
+            return {}
+        lo = min(self.start, len(prompt)) if self.start >= 0 and self.own_prompt else len(prompt)
+        entries = (prompt_lps or [None] * len(prompt))[lo:]
+        inp, inp_top = sglang_logprobs(entries, prompt[lo:], self.top, self.words)
+        out, out_top = sglang_logprobs(lps or [], ids[: len(lps or [])], self.top, self.words)
+        return {
+            "input_token_logprobs": inp,
+            "output_token_logprobs": out,
+            "input_top_logprobs": inp_top,
+            "output_top_logprobs": out_top,
+        }
+
+
 def _result(
-    rid: str, text: str, ids: list[int], prompt_tokens: int, out: Outcome | None, arrival: float
+    rid: str,
+    text: str,
+    ids: list[int],
+    prompt: list[int],
+    out: Outcome | None,
+    arrival: float,
+    logprobs: dict[str, Any],
+    index: int | None = None,
 ) -> dict[str, Any]:
-    return {
+    body = {
         "text": text,
         "output_ids": list(ids),
         "meta_info": {
             "id": rid,
             "finish_reason": None if out is None else _finish(out),
-            "prompt_tokens": prompt_tokens,
+            "prompt_tokens": len(prompt),
             "completion_tokens": len(ids),
             "cached_tokens": 0,
             "e2e_latency": time.monotonic() - arrival,
             "weight_version": "default",
+            **logprobs,
         },
     }
+    if index is not None:
+        body["index"] = index  # which of the n choices (SGLang's streamed chunks with n > 1)
+    return body
 
 
 @router.post("/generate", response_model=None)
@@ -229,36 +277,30 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
         raise bad_request("stream=true needs a single prompt, not a batch", "stream")
     texts = req.prompts()
     prompts = [await encode_prompt(ctx, p, "text" if req.text is not None else "input_ids") for p in texts]
+    sp = req.sampling_params
+    n = (sp.n if sp is not None else None) or 1
     rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
     if len(rids) != len(prompts):
         raise bad_request("rid must have one entry per prompt", "rid")
     rids = [r or uuid.uuid4().hex for r in rids]
     spec = _spec(ctx, req)
+    lp = _Logprobs(ctx, req)
+    lp.apply(spec)
     requested = GENERATE_DEFAULT_MAX_NEW_TOKENS
-    if req.sampling_params is not None and req.sampling_params.max_new_tokens is not None:
-        requested = req.sampling_params.max_new_tokens
+    if sp is not None and sp.max_new_tokens is not None:
+        requested = sp.max_new_tokens
     prompt_param = "text" if req.text is not None else "input_ids"
-    params = [
-        sampling_params(
-            spec,
-            resolve_max_tokens(
-                ctx,
-                len(p),
-                requested,
-                prompt_param=prompt_param,
-                limit_param="sampling_params.max_new_tokens",
-            ),
-            min_tokens_param="sampling_params.min_new_tokens",
-        )
-        for p in prompts
-    ]
+    seqs, params = prepare_sequences(
+        ctx, spec, prompts, requested, n, prompt_param, "sampling_params.max_new_tokens",
+        min_tokens_param="sampling_params.min_new_tokens",
+    )  # fmt: skip
     log_metrics = req.log_metrics is not False  # SGLang's switch, e.g. for probes
-    targets = pd.targets(ctx, req, len(prompts))
-    lease = start_all(ctx, prompts, params, arrival=arrival, observe=log_metrics, targets=targets)
+    targets = pd.targets(ctx, req, len(prompts), n)
+    lease = start_all(ctx, seqs, params, arrival=arrival, observe=log_metrics, targets=targets)
     streams = [outcomes(ctx, h, spec) for h in lease.handles]
     if req.stream:
         flags = {"metrics": log_metrics, "logs": not req.no_logs}
-        body = _stream(ctx, request, streams[0], lease, rids[0], len(prompts[0]), arrival, flags)
+        body = _stream(ctx, request, streams, lease, rids[0], prompts[0], arrival, lp, flags)
         return sse_response(body, background=BackgroundTask(lease.close))
 
     async def collect() -> list[Outcome]:
@@ -275,33 +317,47 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
         return Response(status_code=499)
     finally:
         lease.close()
-    results = [_result(rids[i], o.text, o.token_ids, o.prompt_tokens, o, arrival) for i, o in enumerate(outs)]
-    return JSONResponse(results if req.is_batch() else results[0])
+    results = []
+    for i, o in enumerate(outs):
+        prompt = seqs[i]
+        meta = lp.meta(prompt, o.prompt_logprobs, o.token_ids, o.logprobs)
+        results.append(_result(rids[i // n], o.text, o.token_ids, prompt, o, arrival, meta))
+    return JSONResponse(results if req.is_batch() or n > 1 else results[0])
 
 
 async def _stream(
     ctx: ServerContext,
     request: Request,
-    stream: AsyncIterator[Piece | Outcome],
+    streams: list[AsyncIterator[Piece | Outcome]],
     lease: Lease,
     rid: str,
-    prompt_tokens: int,
+    prompt: list[int],
     arrival: float,
+    lp: _Logprobs,
     flags: dict[str, bool],
 ) -> AsyncIterator[bytes]:
-    # SGLang streams cumulative text and output_ids in every chunk.
+    # SGLang streams cumulative text, output_ids and logprobs in every chunk; with n > 1 each chunk
+    # names its choice (`index`).
     metrics, logs = flags["metrics"], flags["logs"]
-    text, ids = "", []
+    n = len(streams)
+    text, ids = [""] * n, [[] for _ in range(n)]
+    lps: list[list[Any]] = [[] for _ in range(n)]
+    prompt_lps: list[list[Any] | None] = [None] * n
     try:
-        async with contextlib.aclosing(stream) as items:
-            async for item in items:
+        async with contextlib.aclosing(merge(streams)) as items:
+            async for i, item in items:
+                index = i if n > 1 else None
                 if isinstance(item, Piece):
-                    text += item.text
-                    ids.extend(item.token_ids)
-                    yield sse(_result(rid, text, ids, prompt_tokens, None, arrival))
+                    text[i] += item.text
+                    ids[i].extend(item.token_ids)
+                    lps[i].extend(item.logprobs or [])
+                    prompt_lps[i] = item.prompt_logprobs or prompt_lps[i]
+                    meta = lp.meta(prompt, prompt_lps[i], ids[i], lps[i])
+                    yield sse(_result(rid, text[i], ids[i], prompt, None, arrival, meta, index))
                 else:
                     finished(ctx, request, "generate", item, arrival, metrics=metrics, logs=logs)
-                    yield sse(_result(rid, item.text, item.token_ids, prompt_tokens, item, arrival))
+                    meta = lp.meta(prompt, item.prompt_logprobs, item.token_ids, item.logprobs)
+                    yield sse(_result(rid, item.text, item.token_ids, prompt, item, arrival, meta, index))
         yield DONE
     except ApiError as err:
         yield sse(err.body())
