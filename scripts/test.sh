@@ -8,8 +8,9 @@ bash scripts/setup.sh
 bash scripts/build-kube.sh
 # sglang's bench_serving client in a venv of its own, cached by version outside the repo
 # (tests/server/test_server_bench_serving.py): it needs torch 2.14.1 and torchvision, not .venv's
-# torch, so only the tests install it, never the main command.
-bash scripts/get-sglang-bench.sh >/dev/null
+# torch, so only the tests install it, never the main command. About 6 GB: a machine that cannot hold
+# it still runs the suite, and that one test says why it skipped.
+bash scripts/get-sglang-bench.sh >/dev/null || echo "test.sh: sglang bench_serving not installed (its test will skip)" >&2
 source .venv/bin/activate
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 ruff check .
