@@ -317,10 +317,16 @@ def test_a_batch_over_the_per_peer_limit_succeeds_split(
     assert len(plan) == 3000 > 2048
     sender.write(receiver.session, plan)
     check_landed(receiver, source, plan, receiver.dump(tmp_path / "dump"))
-    # The split is what made it work: in one call the same batch is refused. (Last: a refused batch
-    # keeps the peer's queue full for a while.)
-    with pytest.raises(TransferError, match=r"rc -1\): batch 1 of 1, 3000 of 3000 entries"):
-        sender.write(receiver.session, plan, max_entries=len(plan))
+    # The split is what made it work: in one call the same batch is refused. The peer is stopped
+    # meanwhile, so nothing drains the queue while the batch is admitted (on a loaded machine the
+    # lanes could otherwise keep up and admit it all). (Last: a refused batch keeps the peer's queue
+    # full for a while.)
+    receiver.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(TransferError, match=r"rc -1\): batch 1 of 1, 3000 of 3000 entries"):
+            sender.write(receiver.session, plan, max_entries=len(plan))
+    finally:
+        receiver.proc.send_signal(signal.SIGCONT)
 
 
 def test_write_to_a_killed_peer_raises(sender: MooncakeTransport, source: Source, receiver: Receiver) -> None:
