@@ -271,6 +271,11 @@ def worker_main(args: WorkerArgs) -> None:
     rank.runner.warmup()
     follow(rank, parallel)
     destroy_groups()
+    # Told to stop, with nothing left to write: leave without the interpreter's teardown, where a
+    # C++ thread of torch's still joinable at static destruction aborts the process ("terminate
+    # called without an active exception", seen once in CI as exit code -6).
+    logging.shutdown()
+    os._exit(0)
 
 
 def follow(rank: Rank, parallel: Parallel) -> None:
