@@ -331,6 +331,14 @@ def test_generate_return_logprob_in_sglang_shapes(base: str, refs: dict[str, Any
     tokens, tops = _sglang_lists(ref.prompt_logprobs[1:], ids[1:])
     assert [e[:2] for e in meta["input_token_logprobs"]] == tokens
     assert [[x[:2] for x in top] for top in meta["input_top_logprobs"]] == tops
+    # streamed: every chunk cumulative, the last one the whole response's lists
+    r = httpx.post(f"{base}/generate", json={**body, "stream": True}, timeout=120)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    varying = {"id": None, "e2e_latency": None}
+    assert len(chunks) > 1 and chunks[-1]["meta_info"] | varying == meta | varying
+    assert [len(c["meta_info"]["output_token_logprobs"]) for c in chunks] == [
+        len(c["output_ids"]) for c in chunks
+    ]
     # SGLang's default logprob_start_len (-1): output only; without return_logprob: no lists at all
     r = httpx.post(f"{base}/generate", json={**body, "logprob_start_len": -1, "stream": True}, timeout=120)
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]

@@ -224,16 +224,50 @@ class _Logprobs:
     ) -> dict[str, Any]:
         if not self.on:
             return {}
+        return {**self.prompt_part(prompt, prompt_lps), **self.output_part(ids, lps)}
+
+    def prompt_part(self, prompt: list[int], prompt_lps: list[Any] | None) -> dict[str, Any]:
         lo = min(self.start, len(prompt)) if self.start >= 0 and self.own_prompt else len(prompt)
         entries = (prompt_lps or [None] * len(prompt))[lo:]
         inp, inp_top = sglang_logprobs(entries, prompt[lo:], self.top, self.words)
+        return {"input_token_logprobs": inp, "input_top_logprobs": inp_top}
+
+    def output_part(self, ids: list[int], lps: list[Any] | None) -> dict[str, Any]:
         out, out_top = sglang_logprobs(lps or [], ids[: len(lps or [])], self.top, self.words)
-        return {
-            "input_token_logprobs": inp,
-            "output_token_logprobs": out,
-            "input_top_logprobs": inp_top,
-            "output_top_logprobs": out_top,
-        }
+        return {"output_token_logprobs": out, "output_top_logprobs": out_top}
+
+
+class _StreamedLogprobs:
+    """One streamed choice's cumulative `meta_info` lists: the prompt's built once, when they come
+    (with the first token), and the output's extended by each piece, so a chunk costs its own tokens,
+    not the whole response again."""
+
+    def __init__(self, lp: _Logprobs, prompt: list[int]) -> None:
+        self.lp, self.prompt = lp, prompt
+        self.inputs: dict[str, Any] | None = None
+        self.outputs: dict[str, list[Any]] = {"output_token_logprobs": [], "output_top_logprobs": []}
+
+    def _inputs(self, prompt_lps: list[Any] | None) -> dict[str, Any]:
+        if self.inputs is not None:
+            return self.inputs
+        part = self.lp.prompt_part(self.prompt, prompt_lps)
+        if prompt_lps is not None or self.lp.start < 0:  # final: they came, or none are wanted
+            self.inputs = part
+        return part
+
+    def piece(self, piece: Piece) -> dict[str, Any]:
+        if not self.lp.on:
+            return {}
+        new = self.lp.output_part(piece.token_ids, piece.logprobs)
+        for key, values in new.items():
+            self.outputs[key].extend(values)
+        return {**self._inputs(piece.prompt_logprobs), **self.outputs}
+
+    def outcome(self, out: Outcome) -> dict[str, Any]:
+        # The whole output again: a stop string's last tokens may come in no piece.
+        if not self.lp.on:
+            return {}
+        return {**self._inputs(out.prompt_logprobs), **self.lp.output_part(out.token_ids, out.logprobs)}
 
 
 def _result(
@@ -341,8 +375,7 @@ async def _stream(
     metrics, logs = flags["metrics"], flags["logs"]
     n = len(streams)
     text, ids = [""] * n, [[] for _ in range(n)]
-    lps: list[list[Any]] = [[] for _ in range(n)]
-    prompt_lps: list[list[Any] | None] = [None] * n
+    logprobs = [_StreamedLogprobs(lp, prompt) for _ in range(n)]
     try:
         async with contextlib.aclosing(merge(streams)) as items:
             async for i, item in items:
@@ -350,13 +383,11 @@ async def _stream(
                 if isinstance(item, Piece):
                     text[i] += item.text
                     ids[i].extend(item.token_ids)
-                    lps[i].extend(item.logprobs or [])
-                    prompt_lps[i] = item.prompt_logprobs or prompt_lps[i]
-                    meta = lp.meta(prompt, prompt_lps[i], ids[i], lps[i])
+                    meta = logprobs[i].piece(item)
                     yield sse(_result(rid, text[i], ids[i], prompt, None, arrival, meta, index))
                 else:
                     finished(ctx, request, "generate", item, arrival, metrics=metrics, logs=logs)
-                    meta = lp.meta(prompt, item.prompt_logprobs, item.token_ids, item.logprobs)
+                    meta = logprobs[i].outcome(item)
                     yield sse(_result(rid, item.text, item.token_ids, prompt, item, arrival, meta, index))
         yield DONE
     except ApiError as err:
