@@ -34,7 +34,9 @@ COPY engine ./engine
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
     && pip install ".[engine]" "sglang-router==0.3.2" && rm -rf /src
 # The CPU example's model (examples/cpu-tiny.yaml, model.image.path), baked in: kind needs no volume.
-RUN dsv4 make-tiny /opt/dsv4/models/tiny --seed 0
+# tiny-v2 is a new revision of it (same shapes and tokenizer, other weights, so another fingerprint
+# and other greedy replies): the e2e rollout scenario moves the example to it.
+RUN dsv4 make-tiny /opt/dsv4/models/tiny --seed 0 && dsv4 make-tiny /opt/dsv4/models/tiny-v2 --seed 1
 USER 65532:65532
 ENTRYPOINT ["dsv4"]
 CMD ["serve", "--help"]

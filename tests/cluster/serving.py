@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +43,9 @@ def client(base_url: str, timeout: float = 120) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=timeout)
 
 
-def streamed_chat(base_url: str, **kw: Any) -> str:
+def streamed_chat(base_url: str, model: str = MODEL, **kw: Any) -> str:
     stream = client(base_url).chat.completions.create(
-        model=MODEL, messages=CHAT, stream=True, **(GREEDY | kw)
+        model=model, messages=CHAT, stream=True, **(GREEDY | kw)
     )
     return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
 
@@ -81,6 +81,52 @@ def counter(base: str, name: str) -> float:
         if head.split("{")[0] in (name, f"{name}_total"):
             total += float(value)
     return total
+
+
+def stray_prefill(doc: dict[str, Any], namespace: str, name: str = "stray-prefill") -> dict[str, Any]:
+    """A prefill Pod of `doc`'s generation, as the operator renders it, but labelled `app: stray`
+    so that no router selects it: what a router whose selectors lacked the fingerprint could still
+    pair (the guard scenario applies it after the rollout to another generation)."""
+    from dsv4_operator.manifests import render
+    from dsv4_operator.spec import parse
+
+    objs = render(parse(doc), namespace=namespace)
+    (sts,) = [
+        o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["labels"]["dsv4.ai/role"] == "prefill"
+    ]
+    spec = sts["spec"]["template"]["spec"]
+    # Its generation's ConfigMap went with the rollout; the server does not read it.
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "engine-config"]
+    for c in spec["containers"]:
+        c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "engine-config"]
+    annotations = sts["spec"]["template"]["metadata"].get("annotations", {})
+    meta = {"name": name, "namespace": namespace, "labels": {"app": "stray"}, "annotations": annotations}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+def pair_request(model: str, prefill: dict[str, Any], room: int) -> dict[str, Any]:
+    """The completion body sglang-router sends both servers of a pair, `prefill` (a Pod) its
+    bootstrap side: the same body POSTed to a prefill and a decode server pairs them by hand."""
+    return {
+        "model": model,
+        "prompt": "Say hello",
+        "max_tokens": 4,
+        "bootstrap_host": prefill["status"]["podIP"],
+        "bootstrap_port": int(prefill["metadata"]["annotations"]["sglang.ai/bootstrap-port"]),
+        "bootstrap_room": room,
+    }
+
+
+def assert_pair_refused(pool: Executor, body: dict[str, Any], prefill: str, decode: str) -> None:
+    """`body` (a `pair_request`) POSTed at once to a prefill and a decode server (base URLs, reached
+    from `pool`'s threads): the decode refuses the pair by the layout fingerprint, a 502 naming
+    `checkpoint`, and the prefill, told so, ends with an error too."""
+    post = lambda base: httpx.post(f"{base}/v1/completions", json=body, timeout=120)  # noqa: E731
+    p = pool.submit(post, prefill)
+    d = pool.submit(post, decode).result(180)
+    p = p.result(180)
+    assert d.status_code == 502 and "checkpoint" in d.json()["error"]["message"], d.text
+    assert p.status_code >= 400, p.text
 
 
 @contextlib.contextmanager
@@ -145,6 +191,7 @@ class Load:
     node: Any
     url: str | Callable[[], str]  # a callable is asked before every request
     workers: int = 2
+    model: str = MODEL  # the served model name (the e2e tier's example may have another)
     results: list[tuple[str, str]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -157,7 +204,7 @@ class Load:
         while not self._stop.is_set():
             try:
                 url = self.url() if callable(self.url) else self.url
-                self.results.append(("ok", streamed_chat(url)))
+                self.results.append(("ok", streamed_chat(url, self.model)))
             except Exception as exc:  # recorded, judged by the test
                 self.results.append((type(exc).__name__, str(exc)))
 

@@ -30,13 +30,16 @@ from serving import (
     RELEASE,
     Endpoints,
     Load,
+    assert_pair_refused,
     client,
     colocated,
     counter,
     is_ready,
+    pair_request,
     pods,
     port_of,
     router_url,
+    stray_prefill,
     streamed_chat,
 )
 
@@ -251,23 +254,8 @@ def test_a_new_model_revision_rolls_out_under_load_and_never_mixes_generations(
 
 
 def _stray_prefill(kube: Any, until: Any) -> dict[str, Any]:
-    """A prefill pod of the first revision, as the operator renders it, but labelled so that no
-    router selects it: what a router whose selectors lacked the fingerprint could still pair."""
-    from dsv4_operator.manifests import render
-    from dsv4_operator.spec import parse
-
-    objs = render(parse(yaml.safe_load(EXAMPLE.read_text())), namespace=NS)
-    (sts,) = [
-        o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["labels"]["dsv4.ai/role"] == "prefill"
-    ]
-    spec = sts["spec"]["template"]["spec"]
-    # Its generation's ConfigMap went with the rollout; the server does not read it.
-    spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "engine-config"]
-    for c in spec["containers"]:
-        c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "engine-config"]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "stray-prefill", "namespace": NS,
-           "labels": {"app": "stray"}, "annotations": sts["spec"]["template"]["metadata"].get("annotations", {})},
-           "spec": spec}  # fmt: skip
+    """The example's first-revision prefill pod that no router selects (`serving.stray_prefill`)."""
+    pod = stray_prefill(yaml.safe_load(EXAMPLE.read_text()), NS)
     kube.kubectl("apply", "-f", "-", input=json.dumps(pod))
     return until(lambda: next((p for p in kube.get("pods", "-n", NS, "-l", "app=stray")["items"] if is_ready(p)), None),
                  START, "the stray first-revision prefill pod to be Ready")  # fmt: skip
@@ -287,22 +275,10 @@ def test_the_layout_fingerprint_alone_refuses_a_cross_generation_pair(
         assert f"dsv4.ai/fingerprint={fp}" in args[args.index(flag) + 1 : args.index(flag) + 5], args
     try:
         stray = _stray_prefill(kube, until)
-        ip, room = stray["status"]["podIP"], random.randrange(2**63)
-        body = {
-            "model": MODEL,
-            "prompt": "Say hello",
-            "max_tokens": 4,
-            "bootstrap_host": ip,
-            "bootstrap_port": int(stray["metadata"]["annotations"]["sglang.ai/bootstrap-port"]),
-            "bootstrap_room": room,
-        }  # fmt: skip  (what sglang-router sends both servers)
-        post = lambda base: httpx.post(f"{base}/v1/completions", json=body, timeout=120)  # noqa: E731
+        body = pair_request(MODEL, stray, random.randrange(2**63))
+        base = lambda p: f"http://{p['status']['podIP']}:{port_of(p)}"  # noqa: E731
         with node.pool(2) as pool:
-            p = pool.submit(post, f"http://{ip}:{port_of(stray)}")
-            d = pool.submit(post, f"http://{decode['status']['podIP']}:{port_of(decode)}").result(180)
-            p = p.result(180)
-        assert d.status_code == 502 and "checkpoint" in d.json()["error"]["message"], d.text
-        assert p.status_code >= 400, p.text  # the prefill is told, so it ends too
+            assert_pair_refused(pool, body, base(stray), base(decode))
     finally:
         kube.kubectl("delete", "pod", "stray-prefill", "-n", NS, "--ignore-not-found", "--grace-period=5")
 

@@ -10,16 +10,21 @@ optional:
                             examples/ascend-1980.yaml or your own, with its model source)
   DSV4_E2E_NAMESPACE        where it goes (default dsv4-e2e, created)
   DSV4_E2E_READY_SECONDS    how long a generation may take to be Ready (default 1800: NPU model loads)
+  DSV4_E2E_ROLLOUT_PATCH    the rollout scenario's JSON merge patch to a new model revision, one whose
+                            weights differ (default: the engine-cpu image's second checkpoint,
+                            {"spec": {"model": {"image": {"path": "/opt/dsv4/models/tiny-v2"}}}};
+                            Ascend: e.g. {"spec": {"model": {"hostPath": {"path": "/data/models/NEW"}}}})
   DSV4_HELM                 helm, else `helm` on PATH
 
 The operator is installed by the chart (kept when it is already installed); the endpoint is
-reached through `kubectl port-forward` to the endpoint Service, as a user would.
+reached through `kubectl port-forward` to the endpoint Service, as a user would, except in the
+rollout scenario: a port-forward sticks to the pod it picked, which the rollout deletes, so that
+load runs in a pod of the engine image (loadclient.py) and reaches the Service by its DNS name.
 """
 
 from __future__ import annotations
 
 import pathlib
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,10 +33,12 @@ from typing import Any
 import pytest
 import yaml
 
+from dsv4_operator.spec import parse
+
 ROOT = pathlib.Path(__file__).parents[2]
 # serving.py (tests/cluster): the scenarios' shared helpers; e2ekube.py beside this file.
 sys.path[:0] = [str(ROOT / "tests" / "e2e"), str(ROOT / "tests" / "cluster")]
-from e2ekube import Kube, settings, wait_until  # noqa: E402
+from e2ekube import Kube, port_forward, settings, wait_until  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -60,13 +67,14 @@ def deployment(kube: Kube, operator: None) -> dict[str, Any]:
     doc = yaml.safe_load(pathlib.Path(kube.cfg["example"]).read_text())
     doc["spec"]["image"] = kube.cfg["engine"]
     doc["metadata"]["namespace"] = kube.ns
+    served = parse(doc).spec.model.served_model_name  # what requests name (the example's, or the default)
     kube.kubectl("create", "namespace", kube.ns, check=False)
     kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
 
     def ready() -> dict[str, Any] | None:
         status = kube.get("dsv4", doc["metadata"]["name"], "-n", kube.ns).get("status") or {}
         ok = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
-        return {"name": doc["metadata"]["name"], **status} if ok else None
+        return {"name": doc["metadata"]["name"], "model": served, "doc": doc, **status} if ok else None
 
     return wait_until(ready, float(kube.cfg["ready"]), "the Dsv4Deployment to be Ready")
 
@@ -74,16 +82,5 @@ def deployment(kube: Kube, operator: None) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def endpoint(kube: Kube, deployment: dict[str, Any]) -> Iterator[str]:
     """The endpoint Service, port-forwarded to 127.0.0.1."""
-    proc = subprocess.Popen(
-        [kube.cfg["kubectl"], "port-forward", "-n", kube.ns, f"svc/{deployment['name']}", ":8000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # "Forwarding from 127.0.0.1:PORT -> 8000"
-        match = re.search(r"127\.0\.0\.1:(\d+)", line)
-        assert match, line
-        yield f"http://127.0.0.1:{match.group(1)}/v1"
-    finally:
-        proc.kill()
-        proc.wait()
+    with port_forward(kube, f"svc/{deployment['name']}", 8000) as base:
+        yield f"{base}/v1"
