@@ -23,7 +23,11 @@ constants this run measured and against each case's time. Also:
 - ceiling: the same bytes as one entry between two registered buffers, the best Mooncake's TCP
   transport does for this size whatever the plan;
 against memcpy of the same bytes (a torch copy in-process) and `iperf3 -n <same bytes>` on loopback
-(its sender's rate; see iperf3_once). Both sides use one torch thread while transferring (they share
+(its sender's rate; see iperf3_once), the issue's reference and the one the targets are judged
+against; and a second, fairer one: a plain TCP socket moving the same bytes between the same two
+buffers as the ceiling (two processes, one connection, each message acknowledged once it has landed),
+measured round by round with the ceiling. iperf3 sends and receives one cache-hot 128 KiB buffer over
+and over, a write must read and fill megabytes of distinct memory; the plain socket pays that too. Both sides use one torch thread while transferring (they share
 the cores). The first write to a new peer (the handshake) is reported apart from steady-state writes (median and
 p90 of --repeats). Every case checks the transferred pages byte for byte (a blake2b digest on each
 side). The per-request transfer is set against an LLMEngine prefill of the same prompt (max_tokens=1);
@@ -44,6 +48,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,6 +215,10 @@ def serve() -> int:
             probes.append(buf)
             transports.append(transport)
             reply = {"session": transport.session_id, "ptr": buf.data_ptr()}
+        elif op == "socket":  # the plain-TCP reference's receiving end
+            listener = socket.create_server((HOST, 0))
+            threading.Thread(target=_sink, args=(listener, cmd["bytes"]), daemon=True).start()
+            reply = {"port": listener.getsockname()[1]}
         elif op == "reset":
             sides[name].reset()
         elif op == "digest":
@@ -222,6 +231,21 @@ def serve() -> int:
     for transport in transports:
         transport.close()
     return 0
+
+
+def _sink(listener: socket.socket, nbytes: int) -> None:
+    """One connection: each 8-byte length is followed by that many bytes, received into one buffer of
+    `nbytes` (as a write fills the decode's memory), then acknowledged with a byte."""
+    conn, _ = listener.accept()
+    listener.close()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    into = memoryview(torch.zeros(nbytes, dtype=torch.uint8).numpy())
+    with conn:
+        while header := conn.recv(8, socket.MSG_WAITALL):
+            n, got = int.from_bytes(header, "little"), 0
+            while got < n:
+                got += conn.recv_into(into[got:n], n - got)
+            conn.sendall(b"k")
 
 
 class Peer:
@@ -488,13 +512,32 @@ class Bench:
                  for _ in range(3 * self.a.repeats)]  # fmt: skip
         return statistics.median(diffs) / (len(steps) - 1)
 
-    def one_entry(self, name: str) -> Timing:
+    def one_entry(self, name: str) -> tuple[Timing, Timing]:
         """The same bytes as one entry, staging buffer to staging buffer: what Mooncake's TCP transport
-        delivers at best for this size, whatever the plan (the ceiling of every case above)."""
+        delivers at best for this size, whatever the plan (the ceiling of every case above); and,
+        round by round with it, the same bytes over a plain TCP socket from the same buffer into one
+        as large in the decode process (the fair reference: see the docstring)."""
         side, info = self.sides[name]
         one = Entries.one(side.staging.data_ptr(), info["stage_ptr"], side.staging.nbytes)
-        self.transport.write(info["session"], one)
-        return timed(lambda: self.transport.write(info["session"], one), self.a.repeats)
+        n = side.staging.nbytes
+        port = self.peer.ask("socket", bytes=n)["port"]
+        data = memoryview(side.staging.numpy())
+        with socket.create_connection((HOST, port)) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def plain() -> None:
+                conn.sendall(n.to_bytes(8, "little"))
+                conn.sendall(data)
+                if conn.recv(1) != b"k":
+                    raise RuntimeError("the plain-socket reference's receiver went away")
+
+            mooncake, sock = [], []
+            for i in range(WARMUP + self.a.repeats):
+                dt = (once(lambda: self.transport.write(info["session"], one)), once(plain))
+                if i >= WARMUP:
+                    mooncake.append(dt[0])
+                    sock.append(dt[1])
+        return Timing(mooncake), Timing(sock)
 
     def handshakes(self, samples: int) -> tuple[Timing, Timing]:
         """First and second 64-byte write to each of `samples` new peers."""
@@ -635,12 +678,25 @@ def report(a: argparse.Namespace, r: dict[str, Any]) -> None:
     for layout, case in direct.items():
         for c in [case, *paths[layout]]:
             print(case_row(layout, c, chosen(r, layout), ip_gbps))
-    one = r["one_entry"]
+    one, sock = r["one_entry"], r["socket"]
     ratio = gbps(nbytes, one.median) / ip_gbps
     print(
         f"| ceiling: the same bytes as one entry | {gbps(nbytes, one.median):.2f} GB/s, {ms(one.median)} "
         f"({ms(one.p90)}) | iperf3 {ip_gbps:.2f} GB/s | {ratio:.0%} | |"
     )
+    sock_gbps = gbps(nbytes, sock.median)
+    print(
+        f"| second reference: a plain TCP socket, the same bytes buffer to buffer between the two processes "
+        f"(acknowledged; round by round with the ceiling) | {sock_gbps:.2f} GB/s, {ms(sock.median)} "
+        f"({ms(sock.p90)}) | iperf3 {ip_gbps:.2f} GB/s | {sock_gbps / ip_gbps:.0%} | |"
+    )
+    for what, case in (("ceiling (one entry)", None), *((f"{k} pools, the server's path", chosen(r, k))
+                                                       for k in ("fresh", "fragmented"))):  # fmt: skip
+        t = one if case is None else case.steady
+        print(
+            f"| against the plain socket: {what} | {gbps(nbytes, t.median):.2f} GB/s | plain socket "
+            f"{sock_gbps:.2f} GB/s | {gbps(nbytes, t.median) / sock_gbps:.0%} | |"
+        )
     for layout, case in direct.items():
         server = chosen(r, layout)
         if server is not case:
@@ -771,7 +827,7 @@ def measure(a: argparse.Namespace, config: dict) -> dict[str, Any]:
         cases = bench.paths()
         r["direct"] = {name: cases[name][0] for name in LAYOUTS}
         r["paths"] = {name: cases[name][1:] for name in LAYOUTS}
-        r["one_entry"] = bench.one_entry("fragmented")
+        r["one_entry"], r["socket"] = bench.one_entry("fragmented")
         r["piece"] = bench.piece_overhead("fragmented", PIECES[-1])
         r["handshake"] = bench.handshakes(min(a.repeats, 5))
         if a.sweep:

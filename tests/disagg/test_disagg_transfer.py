@@ -166,6 +166,74 @@ def test_entries_one_extend_nbytes() -> None:
         Entries.one(1, 2, 0)
 
 
+# ---- the polled wait, against a scripted engine -------------------------------------------------
+
+
+class ScriptedEngine:
+    """Mooncake's transfer_submit_write / transfer_check_status: entry k (by submit order) ends with
+    outcomes[k] (1 landed, -1 failed, None never) after `polls` pending polls; 0 from submit where
+    refuse says so. Records how many were in flight at each submit."""
+
+    def __init__(self, outcomes: list[int | None], polls: int = 2, refuse: int | None = None) -> None:
+        self.outcomes, self.polls, self.refuse = outcomes, polls, refuse
+        self.left: dict[int, int] = {}  # batch id -> pending polls left
+        self.in_flight: list[int] = []
+
+    def transfer_submit_write(self, peer: str, src: int, dst: int, n: int) -> int:
+        batch = len(self.in_flight) + 1
+        if batch - 1 == self.refuse:
+            return 0
+        self.in_flight.append(len(self.left))
+        self.left[batch] = self.polls
+        return batch
+
+    def transfer_check_status(self, batch: int) -> int:
+        outcome = self.outcomes[batch - 1]
+        if outcome is None or self.left[batch] > 0:
+            self.left[batch] -= 1
+            return 0
+        del self.left[batch]  # ended: Mooncake frees the batch
+        return outcome
+
+
+def scripted(engine: ScriptedEngine, timeout_s: float = 5.0) -> MooncakeTransport:
+    transport = MooncakeTransport.__new__(MooncakeTransport)  # no real engine behind it
+    transport._engine, transport._session_id, transport._registered = engine, "peer:1", {}
+    transport._timeout_s = timeout_s
+    return transport
+
+
+def test_a_polled_write_keeps_at_most_max_entries_in_flight_and_waits_for_all() -> None:
+    engine = ScriptedEngine([1] * 5)
+    scripted(engine).write("peer:1", Entries([1] * 5, [2] * 5, [8] * 5), max_entries=2)
+    assert max(engine.in_flight) < 2 and not engine.left  # every batch ended (and was freed)
+    engine = ScriptedEngine([1] * 6)
+    pieces = [(lambda: None, Entries([1] * 2, [2] * 2, [8] * 2)), (lambda: None, Entries.one(1, 2, 8))] * 2
+    scripted(engine).write_pipelined("peer:1", pieces, max_entries=3)
+    assert max(engine.in_flight) < 3 and len(engine.in_flight) == 6 and not engine.left
+
+
+def test_a_failed_or_refused_entry_raises_only_once_the_rest_have_ended() -> None:
+    engine = ScriptedEngine([1, -1, 1, 1])
+    with pytest.raises(TransferError, match=r"rc -1\): batch 1 of 1, 4 of 4 entries, 32 bytes \(1 failed\)"):
+        scripted(engine).write("peer:1", Entries([1] * 4, [2] * 4, [8] * 4))
+    assert not engine.left
+    engine = ScriptedEngine([1, 1, 1], refuse=1)  # the second submit is refused: no third
+    with pytest.raises(TransferError, match=r"rc -1\) \(1 refused at submit\) \(1 entries submitted\)"):
+        scripted(engine).write_pipelined("peer:1", [(lambda: None, Entries([1] * 3, [2] * 3, [8] * 3))])
+    assert len(engine.in_flight) == 1 and not engine.left
+
+
+def test_an_entry_that_never_ends_is_abandoned_at_the_deadline_and_a_later_failure_named() -> None:
+    engine = ScriptedEngine([None, -1, None], polls=0)
+    with pytest.raises(TransferError, match=r"rc -1\).*\(1 failed, 2 still running at the deadline\)"):
+        scripted(engine, timeout_s=0.05).write("peer:1", Entries([1] * 3, [2] * 3, [8] * 3))
+    assert sorted(engine.left) == [1, 3]  # never freed: Mooncake may still read their sources
+    engine = ScriptedEngine([None], polls=0)
+    with pytest.raises(TransferError, match=r"rc -2\).*\(1 still running at the deadline\)"):
+        scripted(engine, timeout_s=0.05).write("peer:1", Entries.one(1, 2, 8))
+
+
 # ---- hostnames, env, imports -------------------------------------------------------------------
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,12 +23,22 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # only for annotations: importing this module must not pull in torch
     from dsv4_engine.memory import StateComponent, StateType
 
-# Entries per batch_transfer_sync_write call. The TCP transport rejects a batch ("queue-full", rc -1)
-# beyond the per-peer queued + pending limits (1024 + 1024 unless raised), and the part it admitted
-# keeps the peer's queue full for ~1 s (MC_TCP_ADMISSION_TIMEOUT_MS), failing the writes after it too;
-# 1024 fits even Mooncake's own limits. Entries cost ~20-37 us each whatever their size, so calls of
-# 1024 cost nothing measurable over one big call (64 per call: ~3% slower).
+# Entries in flight at once (MooncakeTransport.write waits for each group of this many). The TCP
+# transport fails entries beyond the per-peer queued + pending limits (1024 + 1024 unless raised,
+# "queue-full", rc -1), and the part it admitted keeps the peer's queue full for ~1 s
+# (MC_TCP_ADMISSION_TIMEOUT_MS), failing the writes after it too; 1024 fits even Mooncake's own
+# limits. Entries cost ~10-40 us each whatever their size, so groups of 1024 cost nothing measurable
+# over one big group (64 per group: ~3% slower).
 DEFAULT_MAX_ENTRIES = 1024
+
+# How a write waits. Mooncake's own waits (batch_transfer_sync_write, get_batch_transfer_status)
+# spin on the batch's status without yielding: on 2 shared cores that spinning thread takes a core
+# from the two TCP threads (sender's and receiver's) that do the copying. So each entry is submitted
+# as its own batch (transfer_submit_write) and polled (transfer_check_status, which never blocks),
+# sleeping between polls. bench/pd_transfer.py, 2 cores, one 3.92 MiB entry, interleaved: quiet,
+# 1.05-1.23 ms polled against 1.21-1.46 ms synchronous (p90 1.7 against 3.0 ms); with another job
+# on the machine, 2.0 against 3.9 ms (the sync caller burnt 2.1 ms of CPU, the poller 0.14).
+POLL_SECONDS = 50e-6  # ~0.1 ms between polls with Linux's 50 us timer slack; a 4 KiB write ~70 us
 
 # Set before the engine exists, only where the user has not (TcpTransport reads them when created;
 # the slice size once per process). bench/pd_transfer.py, small preset, one 4096-token request
@@ -76,13 +88,14 @@ class Costs:
     overlap: float  # share of the shorter stage a pipeline hides (1: perfect, 0: none)
 
 
-# Medians of eight runs of bench/pd_transfer.py (its "cost model" table; piece and overlap of the
-# last five, which measured them as it does now): small preset, one 4096-token request (3.92 MiB),
+# Medians of eight runs of bench/pd_transfer.py with the polled write (its "cost model" table), overlap
+# kept from the runs before it (0.4, of five): small preset, one 4096-token request (3.92 MiB),
 # loopback, Mooncake 0.3.13.post1 with MOONCAKE_ENV_DEFAULTS, one torch thread a side, 2 cores shared
-# with other jobs (load 1.1-1.8). Ranges: entry 20-58 us; wire 0.74-2.50 GB/s; pack 2.4-3.1 GB/s;
-# unpack 2.3-3.2 GB/s; piece 58-126 us; overlap 0-1 (on loopback the "wire" is CPU work too, on the
-# same two cores the pack runs on, so how much a pipeline hides swings with the load).
-COSTS = Costs(entry=39e-6, wire=1 / 1.72e9, pack=1 / 2.45e9, unpack=1 / 2.5e9, piece=68e-6, overlap=0.4)
+# with other jobs (load 1.2-4.1). Ranges: entry 7-29 us; wire 0.72-2.55 GB/s; pack 2.6-3.9 GB/s;
+# unpack 2.9-4.1 GB/s; piece 0-70 us; overlap 0-1 (on loopback the "wire" is CPU work too, on the
+# same two cores the pack runs on, so how much a pipeline hides swings with the load: 0 in six of
+# these eight loaded runs, 1 in a quiet one).
+COSTS = Costs(entry=19e-6, wire=1 / 2.17e9, pack=1 / 3.53e9, unpack=1 / 3.56e9, piece=11e-6, overlap=0.4)
 
 
 @dataclass(frozen=True)
@@ -404,11 +417,83 @@ def apply_env_defaults(env: dict[str, str] | os._Environ[str] = os.environ) -> d
     return {key: env[key] for key in MOONCAKE_ENV_DEFAULTS}
 
 
+def _transfer_timeout_s(env: dict[str, str] | os._Environ[str] = os.environ) -> float:
+    """Mooncake's synchronous-write timeout (MC_TRANSFER_TIMEOUT, at least 5 s, default 30 s): a write
+    waits this long plus 1 ns a byte, as batch_transfer_sync_write would."""
+    value = env.get("MC_TRANSFER_TIMEOUT")
+    try:
+        return float(max(5, int(value))) if value else 30.0
+    except ValueError:
+        return 30.0
+
+
+class _Flight:
+    """Entries submitted one per Mooncake batch, waited for by polling (see POLL_SECONDS)."""
+
+    def __init__(self, engine: Any, peer_session: str, timeout_s: float) -> None:
+        self.engine, self.peer, self.timeout_s = engine, peer_session, timeout_s
+        self.pending: deque[tuple[int, int]] = deque()  # (batch id, bytes), in submit order
+        self.submitted = self.failed = self.refused = self.abandoned = 0
+
+    @property
+    def rc(self) -> int:
+        """0: every entry landed; -1: one failed or was refused (as batch_transfer_sync_write reports
+        either); -2: one had not ended by the deadline."""
+        return -1 if self.failed or self.refused else (-2 if self.abandoned else 0)
+
+    def submit(self, entries: Entries, max_in_flight: int) -> bool:
+        """Submit every entry, first waiting for the oldest whenever max_in_flight are pending; False
+        once one is refused (the rest are not submitted) or has failed."""
+        for src, dst, n in zip(entries.src, entries.dst, entries.lens, strict=True):
+            if len(self.pending) >= max_in_flight:
+                self.wait(max_in_flight - 1)
+            if self.rc:
+                return False
+            batch = self.engine.transfer_submit_write(self.peer, src, dst, n)
+            if not batch:  # 0: refused (peer unknown or unreachable)
+                self.refused += 1
+                return False
+            self.pending.append((batch, n))
+            self.submitted += 1
+        return True
+
+    def wait(self, leave: int = 0) -> None:
+        """Until at most `leave` entries are pending (oldest first: the lanes serve them in order).
+        Past the deadline the rest are abandoned, never freed: Mooncake may still read their
+        sources, and freeing a batch it still uses is what its own timeout does wrong."""
+        deadline = time.monotonic() + self.timeout_s + sum(n for _, n in self.pending) * 1e-9
+        while len(self.pending) > leave:
+            status = self.engine.transfer_check_status(self.pending[0][0])
+            if status == 0:  # still on the wire
+                if time.monotonic() > deadline:
+                    self._abandon()
+                    return
+                time.sleep(POLL_SECONDS)
+                continue
+            self.pending.popleft()  # 1 or -1: ended, its batch freed by Mooncake
+            self.failed += status != 1
+
+    def _abandon(self) -> None:
+        """One last look at every pending entry (a later one may have failed: that is the error to
+        report), then forget those still running."""
+        for batch, _ in self.pending:
+            status = self.engine.transfer_check_status(batch)
+            self.failed += status not in (0, 1)
+            self.abandoned += status == 0
+        self.pending.clear()
+
+
+def _detail(flight: _Flight) -> str:
+    parts = [f"{n} {what}" for n, what in ((flight.failed, "failed"), (flight.refused, "refused at submit"),
+             (flight.abandoned, "still running at the deadline")) if n]  # fmt: skip
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 class MooncakeTransport:
     """One Mooncake TransferEngine: registers local buffers and writes into peers' registered ones.
 
-    write() blocks the calling thread (Mooncake releases the GIL meanwhile); close() must not race a
-    write in progress.
+    write() blocks the calling thread (sleeping between polls: the GIL is free meanwhile); close()
+    must not race a write in progress.
     """
 
     def __init__(self, hostname: str, protocol: str = "tcp", device: str = "") -> None:
@@ -425,6 +510,7 @@ class MooncakeTransport:
             raise TransferError(f"Mooncake initialize({hostname!r}, protocol={protocol!r}) returned {rc}")
         self._session_id = f"{session_host(hostname)}:{self._engine.get_rpc_port()}"
         self._registered: dict[int, int] = {}  # pointer -> length
+        self._timeout_s = _transfer_timeout_s()  # read once, as the engine reads its own
 
     @property
     def session_id(self) -> str:
@@ -448,15 +534,20 @@ class MooncakeTransport:
         self._registered.update(new)
 
     def write(self, peer_session: str, entries: Entries, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
-        """Copy every entry into the peer's registered memory; returns once all have landed."""
+        """Copy every entry into the peer's registered memory; returns once all have landed (or, on a
+        failure, once every submitted entry has ended or its deadline passed)."""
         engine = self._live_engine()
         for i, part in enumerate(entries.split(max_entries)):
-            rc = engine.batch_transfer_sync_write(peer_session, part.src, part.dst, part.lens)
-            if rc != 0:
+            flight = _Flight(engine, peer_session, self._timeout_s)
+            try:
+                flight.submit(part, max_in_flight=len(part))
+            finally:
+                flight.wait()
+            if flight.rc:
                 raise TransferError(
-                    f"Mooncake write to {peer_session} failed (rc {rc}): batch {i + 1} of "
+                    f"Mooncake write to {peer_session} failed (rc {flight.rc}): batch {i + 1} of "
                     f"{-(-len(entries) // max_entries)}, {len(part)} of {len(entries)} entries, "
-                    f"{part.nbytes} bytes"
+                    f"{part.nbytes} bytes{_detail(flight)}"
                 )
 
     def write_pipelined(
@@ -466,32 +557,23 @@ class MooncakeTransport:
         max_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
         """Each piece's prepare() (its pack) runs while the earlier pieces are on the wire, then its
-        entries are submitted; returns once every submitted batch has ended, and only then raises
-        (a failed submit, a failed batch, a prepare that raised). So a caller may free the sources
-        (the arena span, the pages) as soon as this returns, whatever happened."""
-        engine = self._live_engine()
-        batches: list[tuple[int, int]] = []  # (batch id, entries)
-        failures: list[str] = []
+        entries are submitted (at most max_entries in flight); returns once every submitted entry has
+        ended, and only then raises (a failed submit, a failed entry, a prepare that raised). So a
+        caller may free the sources (the arena span, the pages) as soon as this returns, whatever
+        happened."""
+        flight = _Flight(self._live_engine(), peer_session, self._timeout_s)
         try:
             for prepare, entries in pieces:
                 prepare()
-                for part in entries.split(max_entries):
-                    batch = engine.batch_transfer_async_write(peer_session, part.src, part.dst, part.lens)
-                    if not batch:  # 0: refused at submit (peer unknown or unreachable)
-                        failures.append(f"submit of {len(part)} entries refused")
-                        return
-                    batches.append((batch, len(part)))
+                if not flight.submit(entries, max_in_flight=max_entries):
+                    break
         finally:
-            # Each batch waited for on its own, failed or not: none may still read its sources (the
-            # arena span, the pages) once this returns.
-            for batch, n in batches:
-                rc = engine.get_batch_transfer_status([batch])
-                if rc != 0:
-                    failures.append(f"a batch of {n} entries failed (rc {rc})")
-            if failures:
+            # Every entry waited for, failed or not: none may still read its sources once this returns.
+            flight.wait()
+            if flight.rc:
                 raise TransferError(
-                    f"Mooncake pipelined write to {peer_session} failed: {'; '.join(failures)} "
-                    f"({len(batches)} batches submitted)"
+                    f"Mooncake pipelined write to {peer_session} failed (rc {flight.rc}){_detail(flight)} "
+                    f"({flight.submitted} entries submitted)"
                 )
 
     def close(self) -> None:
