@@ -71,22 +71,23 @@ class _Batched:
         self.split = [0.0, 0.0, 0]  # metadata refresh seconds, forward seconds, steps
 
     def __call__(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+        from dsv4_engine.attention.paged_extend import paged_extend_batch
         from dsv4_engine.memory import ExtendSpec
-        from dsv4_engine.memory.seq_cache import PagedSeqCache
-        from dsv4_engine.model import ForwardBatch
 
-        cache = PagedSeqCache(self.kv, self.alloc, self.alloc.alloc_request())
+        row = self.alloc.alloc_request()
         t0 = time.perf_counter()
-        self.alloc.alloc_extend([ExtendSpec(cache.req_idx, 0, len(prompt))])
+        spec = ExtendSpec(row, 0, len(prompt))
+        bundle = self.alloc.alloc_extend([spec])
         with torch.inference_mode():
-            hidden = self.model(ForwardBatch.build([(cache, prompt)]))
+            batch = paged_extend_batch(self.kv, self.req_pool, [spec], bundle, [prompt], self.model.dtype)
+            hidden = self.model(batch)
             token = int(self.model.compute_logits(hidden[-1:]).argmax())
         t1 = time.perf_counter()
         pos = len(prompt)
         for _ in range(new_tokens - 1):
-            self.alloc.alloc_decode([cache.req_idx])
+            bundle = self.alloc.alloc_decode([row])
             ta = time.perf_counter()
-            bs = self.runner.prepare([ExtendSpec(cache.req_idx, pos, pos + 1)], [token])
+            bs = self.runner.prepare([ExtendSpec(row, pos, pos + 1)], [token], bundle)
             tb = time.perf_counter()
             token = int(self.runner.step(bs)[0].argmax())
             self.split[0] += tb - ta
@@ -94,7 +95,7 @@ class _Batched:
             self.split[2] += 1
             pos += 1
         t2 = time.perf_counter()
-        cache.free()
+        self.alloc.free(row)
         return t1 - t0, t2 - t1
 
     def ops_per_step(self) -> int:

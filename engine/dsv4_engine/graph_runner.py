@@ -1,9 +1,10 @@
 """Decode for all running requests in one forward per step, replayable per batch-size bucket.
 
-`DecodeGraphRunner` owns the static decode state of every bucket: four small step inputs (token ids,
-request rows, positions, validity), the bucket's `DecodeBuffers` metadata and (graph mode) the
-output logits. The host pads a step to its bucket and copies the inputs; the step refreshes the
-metadata in place from the request tables, then runs the forward over the paged pools. Every one of
+`DecodeGraphRunner` owns the static decode state of every bucket: small step inputs (token ids,
+request rows, positions, validity, and where each row writes: the allocator's out-cache locations,
+`DecodeLocs`), the bucket's `DecodeBuffers` metadata and (graph mode) the output logits. The host
+pads a step to its bucket and copies the inputs; the step refreshes the metadata in place from them
+and the request tables, then runs the forward over the paged pools. Every one of
 these tensors keeps its `data_ptr()` for the runner's life, and the step reads nothing else but the
 weights, the tables and the pools:
 
@@ -25,14 +26,18 @@ from typing import Literal
 
 import torch
 
-from dsv4_engine import kernels as cpu_kernels
+from dsv4_engine.attention.backends import CpuKernelAttention, TorchAttention
 from dsv4_engine.attention.decode_buffers import DEFAULT_BUCKETS, DecodeBuffers
-from dsv4_engine.attention.decode_fill import fill_decode_buffers, fill_decode_buffers_kernel, step_inputs
-from dsv4_engine.attention.paged_decode import DecodeBatch, PoolViews
-from dsv4_engine.memory.allocator import ExtendSpec
+from dsv4_engine.attention.decode_fill import (
+    DecodeLocs,
+    fill_decode_buffers,
+    fill_decode_buffers_kernel,
+    step_inputs,
+)
+from dsv4_engine.attention.paged_decode import AttentionBackend, DecodeBatch, PoolViews
+from dsv4_engine.memory.allocator import DSV4OutCacheLoc, ExtendSpec
 from dsv4_engine.memory.pools import Dsv4TokenToKVPool
 from dsv4_engine.memory.req_to_token import Dsv4ReqPool
-from dsv4_engine.model.decode_ops import CompiledOps, KernelOps, TorchOps
 from dsv4_engine.model.model import Dsv4ForCausalLM
 from dsv4_engine.model.packed import decode_packs
 
@@ -79,7 +84,9 @@ class DecodeGraphRunner:
         passed it, as a device graph is replayed: every input is a static buffer by construction
         (weights, pools, the bucket's buffers), and dynamo's guards and input gathering cost about a
         fifth of the step.
-        kernels: use the fused `dsv4::` CPU kernels (default: when built and the model is on CPU).
+        kernels: use the fused `dsv4::` CPU kernels (when built and the model is on CPU): sets the
+        model's choice (`Dsv4ForCausalLM.use_kernels`); default None keeps a choice already fixed
+        and otherwise fixes it to "where they are built"; the attention backend follows it.
         trim (eager only; default: eager): gather compressed keys from the step's longest context
         and pool only completed blocks (host reads; `paged_decode_attention`)."""
         if mode not in MODES:
@@ -93,18 +100,21 @@ class DecodeGraphRunner:
         self.buffers = DecodeBuffers(self.layout, max_context_len, buckets, device=self.device)
         self.pools = PoolViews(kv_pool)
         # Per-bucket step inputs, the only tensors the host writes per step: token ids, request rows,
-        # positions, validity. The step itself refreshes the bucket's DecodeBuffers from them.
+        # positions, validity, out-cache locations. The step refreshes the bucket's DecodeBuffers
+        # from them.
         zeros = lambda bs: torch.zeros(bs, dtype=torch.long, device=self.device)  # noqa: E731
         self.input_ids = {bs: zeros(bs) for bs in self.buckets}
         self.req = {bs: zeros(bs) for bs in self.buckets}
         self.pos = {bs: zeros(bs) for bs in self.buckets}
         self.valid = {bs: torch.zeros(bs, dtype=torch.bool, device=self.device) for bs in self.buckets}
+        self.locs = {bs: DecodeLocs.zeros(bs, device=self.device) for bs in self.buckets}
         self.skip_guards = skip_guards
         # Eager steps trim compressed-key gathers to the step's longest context (set by `prepare`);
         # compiled and captured steps keep the buffers' full width.
         self.num_pages: dict[int, int] = {}
         # Decided here, once: traced code must not look at the kernels' build state.
-        self.use_kernels = kernels is not False and cpu_kernels.use_for(self.device)
+        self.use_kernels = model.use_kernels(kernels if kernels is not None else model.kernels_fixed())
+        self.backend: AttentionBackend = CpuKernelAttention() if self.use_kernels else TorchAttention()
         self.trim = mode == "eager" and trim is not False
         self.packs = decode_packs(model)
         self.num_compiles = 0  # compile events (compiled mode) / captures (graph mode)
@@ -133,6 +143,9 @@ class DecodeGraphRunner:
         for name in ("input_ids", "req", "pos", "valid"):
             for bs, t in getattr(self, name).items():
                 out[f"{name}.{bs}"] = t
+        for bs, locs in self.locs.items():
+            for name, t in locs.tensors().items():
+                out[f"locs.{bs}.{name}"] = t
         for name in ("req_to_token", *self.req_pool.DSV4_TABLES):
             out[f"table.{name}"] = getattr(self.req_pool, name)
         for bs in self.buckets:
@@ -143,8 +156,11 @@ class DecodeGraphRunner:
         return out
 
     # ---- one step -------------------------------------------------------------------------------
-    def prepare(self, specs: Sequence[ExtendSpec], token_ids: Sequence[int] | torch.Tensor) -> int:
-        """Copy the step's inputs into its bucket's static tensors (after `alloc_decode`); the bucket."""
+    def prepare(
+        self, specs: Sequence[ExtendSpec], token_ids: Sequence[int] | torch.Tensor, bundle: DSV4OutCacheLoc
+    ) -> int:
+        """Copy the step's inputs into its bucket's static tensors; `bundle`: what `alloc_decode`
+        returned for `specs`. Returns the bucket."""
         n = len(specs)
         if n == 0 or len(token_ids) != n:
             raise ValueError(f"need one token id per request, got {len(token_ids)} for {n}")
@@ -156,6 +172,7 @@ class DecodeGraphRunner:
         bs = self.buffers.bucket_for(n)
         self.num_pages[bs] = top // self.layout.page_size + 1  # the longest context, in pages
         req, pos, valid = step_inputs([s.req_idx for s in specs], [s.prefix_len for s in specs], bs)
+        locs = DecodeLocs.of(bundle, bs)
         ids = torch.zeros(bs, dtype=torch.long)
         ids[:n] = torch.as_tensor(token_ids, dtype=torch.long)
         with torch.inference_mode():  # the buffers may be inference tensors (runner built in one)
@@ -166,12 +183,15 @@ class DecodeGraphRunner:
                 (self.input_ids[bs], ids),
             ):
                 dst.copy_(src)
+            self.locs[bs].copy_(locs)
         return bs
 
-    def run(self, specs: Sequence[ExtendSpec], token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Logits `[len(specs), vocab]` of one decode token per request (`specs` as passed to
-        `alloc_decode`, which must have run); writes their KV, compressed rows and state."""
-        return self.step(self.prepare(specs, token_ids))[: len(specs)]
+    def run(
+        self, specs: Sequence[ExtendSpec], token_ids: Sequence[int] | torch.Tensor, bundle: DSV4OutCacheLoc
+    ) -> torch.Tensor:
+        """Logits `[len(specs), vocab]` of one decode token per request, after `alloc_decode` gave
+        `specs` their slots (`bundle`); writes their KV, compressed rows and state there."""
+        return self.step(self.prepare(specs, token_ids, bundle))[: len(specs)]
 
     def step(self, bs: int) -> torch.Tensor:
         """Run bucket `bs` on whatever its buffers hold now (padded rows are inert). Always under
@@ -193,29 +213,25 @@ class DecodeGraphRunner:
         self.num_pages.pop(bs, None)
         for name in ("input_ids", "req", "pos", "valid"):
             getattr(self, name)[bs].zero_()  # all rows padding
+        for t in self.locs[bs].tensors().values():
+            t.zero_()
 
     # ---- modes ----------------------------------------------------------------------------------
-    def ops(self) -> TorchOps:
-        """The step's ops for this mode (`decode_ops`)."""
-        if self.mode == "compiled":  # the compiler fuses the small ops; kernels where they do less work
-            return CompiledOps() if self.use_kernels else TorchOps(for_compiler=True)
-        # eager, or the capture of a device graph (CUDA / NPU: use_kernels is False there)
-        return KernelOps() if self.use_kernels else TorchOps()
-
     def _eager_fn(self, bs: int) -> Callable[[], torch.Tensor]:
         model, ids, meta, pools = self.model, self.input_ids[bs], self.buffers.buffers(bs), self.pools
         req_pool, page_size = self.req_pool, self.layout.page_size
-        req, pos, valid = self.req[bs], self.pos[bs], self.valid[bs]
-        trim, packs = self.trim, self.packs
-        ops = self.ops()
-        fill = fill_decode_buffers_kernel if isinstance(ops, KernelOps) else fill_decode_buffers
+        req, pos, valid, locs = self.req[bs], self.pos[bs], self.valid[bs], self.locs[bs]
+        trim, packs, backend = self.trim, self.packs, self.backend
+        # The kernel reads its inputs on the host: not inside a compiled step.
+        kernel_fill = self.use_kernels and self.mode != "compiled"
+        fill = fill_decode_buffers_kernel if kernel_fill else fill_decode_buffers
         full = meta.page_table.shape[1]
 
         def step() -> torch.Tensor:
-            fill(meta, req_pool, page_size, req, pos, valid)
+            fill(meta, req_pool, page_size, req, pos, valid, locs)
             pages = min(self.num_pages.get(bs, full), full) if trim else None
-            batch = DecodeBatch(ids, meta, pools, ops, num_pages=pages, packs=packs)
-            return model.compute_logits(model(batch), ops)
+            batch = DecodeBatch(ids, meta, pools, backend, num_pages=pages, packs=packs)
+            return model.compute_logits(model(batch))
 
         return step
 

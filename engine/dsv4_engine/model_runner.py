@@ -1,13 +1,14 @@
 """Runs one scheduled step: the model's forward over the paged pools, then sampling.
 
-The scheduler has already allocated the step (`SchedulerOutput.bundle`); here each request gets a
-`PagedSeqCache` over its request-table row, the forward reads and writes the pools through it, and
-one token is sampled for every chunk that reaches its request's last known token. Decodes (one
+The scheduler has already allocated the step: `SchedulerOutput.bundle` holds every slot it writes.
+Those out-cache locations drive the pool writes: the prefill chunks' forward runs over the step's
+attention metadata built from them (`attention.paged_extend`), and one token is sampled for every
+chunk that reaches its request's last known token. Decodes (one
 token per request, scheduled first) and prefill chunks run as two forwards, so the decode forward is
 one method with a fixed-shape input that a graph runner can take over.
 
-What the forwards need of a step is a `StepPlan`: row indices, positions and token ids, no
-`Sequence`. On a parallel server rank 0 sends it (with its allocator's changes since the last step)
+What the forwards need of a step is a `StepPlan`: row indices, positions, token ids and the
+step's out-cache locations, no `Sequence`. On a parallel server rank 0 sends it (with its allocator's changes since the last step)
 to the other ranks, whose runners run the same `forward` over their shard (ranks.py);
 sampling and logprobs are rank 0's alone.
 """
@@ -21,12 +22,11 @@ from typing import Protocol
 import torch
 
 from dsv4_engine.attention import buckets_for
+from dsv4_engine.attention.paged_extend import paged_extend_batch
 from dsv4_engine.grammar import PendingMasks
 from dsv4_engine.graph_runner import DECODE_MODES, DecodeGraphRunner, DecodeMode, default_decode_mode
-from dsv4_engine.memory import Dsv4Allocator, Dsv4TokenToKVPool, ExtendSpec
-from dsv4_engine.memory.seq_cache import PagedSeqCache
+from dsv4_engine.memory import Dsv4Allocator, DSV4OutCacheLoc, Dsv4TokenToKVPool, ExtendSpec
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
-from dsv4_engine.model.batch import ExtendOps
 from dsv4_engine.sampler import sample, token_logprobs
 from dsv4_engine.scheduler import ScheduledChunk, SchedulerOutput, Sequence
 
@@ -46,12 +46,13 @@ class PrefillChunk:
 @dataclass(frozen=True)
 class StepPlan:
     """Every rank's forward of one step: the decode rows (one token each, at `spec.prefix_len`),
-    then the prefill chunks."""
+    then the prefill chunks; `bundle`: the slots the allocator gave the step, in that order."""
 
     decode_ids: list[str]
     decode_specs: list[ExtendSpec]
     decode_tokens: list[int]
     prefills: list[PrefillChunk]
+    bundle: DSV4OutCacheLoc
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepPlan:
@@ -70,7 +71,11 @@ class StepPlan:
                 c.seq.all_token_ids[spec.prefix_len] for c, spec in zip(decodes, specs, strict=True)
             ],
             prefills=prefills,
+            bundle=out.bundle,
         )
+
+    def prefill_specs(self) -> list[ExtendSpec]:
+        return [ExtendSpec(c.req_idx, c.start, c.start + len(c.token_ids)) for c in self.prefills]
 
 
 class Followers(Protocol):
@@ -101,12 +106,10 @@ class ModelRunner:
         if self.decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
         self.decode_buckets = buckets_for(max_num_seqs)
-        # Whether steps may use the fused CPU kernels (EngineConfig.kernels): both kinds of step.
-        self.kernels = kernels
-        self.extend_ops = ExtendOps(kernels=kernels)
+        # Whether steps may use the fused CPU kernels (EngineConfig.kernels): the model's modules then
+        # choose them where they serve (model.ops.KernelChoice), in every kind of step.
+        self.kernels = model.use_kernels(kernels)
         self._decode_runner: DecodeGraphRunner | None = None  # built on first use
-        # request row -> (the request owning it, its view of its pages): a row's next owner replaces it
-        self._caches: dict[int, tuple[str, PagedSeqCache]] = {}
         # Rank 0 of a parallel server: where each step goes before its forward (ranks.py).
         self.followers: Followers | None = None
         # Test hook: request id -> digest of the first logits row the runner computed for it (on a PD
@@ -139,18 +142,6 @@ class ModelRunner:
             self.decode_runner().warmup()
         return len(self.decode_buckets)
 
-    # ---- caches --------------------------------------------------------------------------------
-    def _cache(self, request_id: str, req_idx: int, start: int) -> PagedSeqCache:
-        """The request's view of its pages, positioned at `start`: a fresh one at its first chunk (or
-        first after a readmission) or when the row has a new owner."""
-        owner, cache = self._caches.get(req_idx, (None, None))
-        if cache is None or owner != request_id or start == 0:
-            cache = PagedSeqCache(self.kv_pool, self.allocator, req_idx)
-            self._caches[req_idx] = (request_id, cache)
-        cache.num_tokens = start
-        cache.new_step()
-        return cache
-
     # ---- forwards ------------------------------------------------------------------------------
     def forward(self, step: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None, ForwardBatch | None]:
         """Every rank's part of a step: (decode logits `[n_dec, V]` fp32, prefill hidden states,
@@ -158,21 +149,29 @@ class ModelRunner:
         decode_logits = self.decode(step) if step.decode_specs else None
         if not step.prefills:
             return decode_logits, None, None
-        batch = ForwardBatch.build(
-            [(self._cache(c.request_id, c.req_idx, c.start), c.token_ids) for c in step.prefills],
-            device=self.device,
-            ops=self.extend_ops,
+        n_dec, n = len(step.decode_specs), len(step.decode_specs) + len(step.prefills)
+        batch = self._extend_batch(
+            step.prefill_specs(), step.bundle.select(n_dec, n), [c.token_ids for c in step.prefills]
         )
         return decode_logits, self.model(batch), batch
+
+    def _extend_batch(
+        self, specs: list[ExtendSpec], bundle: DSV4OutCacheLoc, token_ids: list[list[int]]
+    ) -> ForwardBatch:
+        """An extend forward's batch over the pools, from the step's out-cache locations."""
+        return paged_extend_batch(
+            self.kv_pool, self.allocator.req_pool, specs, bundle, token_ids, self.model.dtype, self.device
+        )
 
     def decode(self, step: StepPlan) -> torch.Tensor:
         """One decode step for the step's decode rows (each adds its token at `spec.prefix_len`);
         returns logits `[n, V]` (fp32), row i for row i.
 
         On entry the allocator has already allocated this step: `specs[i]` is row i's
-        `prefix_len -> prefix_len + 1`; the request tables (`allocator.req_pool`) map every position
-        to its pool slot. The method writes the new token's SWA KV, compressor state and any
-        completed compressed rows into the pools, since later steps read them from there.
+        `prefix_len -> prefix_len + 1`, the step's bundle says where each row writes and the request
+        tables (`allocator.req_pool`) map every earlier position to its pool slot. The method writes
+        the new token's SWA KV, compressor state and any completed compressed rows there, since
+        later steps read them from the pools.
 
         `self.decode_mode` (a constructor argument) picks the path: `eager` (default with
         enforce_eager), `compiled` (CPU without it) or `graph` (GPU/NPU without it) run every request
@@ -182,13 +181,10 @@ class ModelRunner:
         bucket.
         """
         specs, tokens = step.decode_specs, step.decode_tokens
+        bundle = step.bundle.select(0, len(specs))
         if self.decode_mode != "reference" and len(specs) <= self.decode_buckets[-1]:
-            return self.decode_runner().run(specs, tokens)
-        chunks = [
-            (self._cache(rid, spec.req_idx, spec.prefix_len), [token])
-            for rid, spec, token in zip(step.decode_ids, specs, tokens, strict=True)
-        ]
-        batch = ForwardBatch.build(chunks, device=self.device, ops=self.extend_ops)
+            return self.decode_runner().run(specs, tokens, bundle)
+        batch = self._extend_batch(specs, bundle, [[t] for t in tokens])
         return self.model.compute_logits(self.model(batch))
 
     def _probe(self, seqs: list[Sequence], logits: torch.Tensor) -> None:

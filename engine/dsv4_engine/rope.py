@@ -133,3 +133,14 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     signed = torch.stack((-s[..., 0], s[..., 1]), dim=-1).flatten(-2)  # (-x1 * s == x1 * -s)
     rope.copy_((rope.float() * cos).add_(swapped.mul_(signed)))
     return x
+
+
+def rotate_rows(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, kernel: bool = False
+) -> torch.Tensor:
+    """`rotate` of x `[B, ..., D]` with one cos/sin row `[B, R]` per batch row (a decode step's);
+    inverse undoes it. kernel: as `dsv4::rope_rotate` (the caller's `KernelChoice.kernel_for`)."""
+    if kernel:
+        return torch.ops.dsv4.rope_rotate(x, cos, sin, inverse)
+    shape = (cos.shape[0], *([1] * (x.dim() - 2)), cos.shape[-1])
+    return rotate(x, cos.view(shape), (-sin if inverse else sin).view(shape))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsv4_engine import kernels
-from dsv4_engine.model.decode_ops import KernelOps, TorchOps
+from dsv4_engine.attention.backends import CpuKernelAttention, TorchAttention
 
 PAGE = 128
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -49,14 +49,15 @@ def test_paged_attention_equals_torch_form(model, ratio: int) -> None:
         rows = torch.randint(0, per_row * pages, (bsz, 12), generator=g)
         rows[2, :4] = torch.tensor([16, 0, 5, 16])  # a repeated pick counts twice in both forms
     args = (q, swa, swa_slots, comp, page_table, rows, visible, PAGE)
-    want = TorchOps().paged_attend(attn, *args)
-    got = KernelOps().paged_attend(attn, *args)
+    want = TorchAttention().paged_attend(attn, *args)
+    got = CpuKernelAttention().paged_attend(attn, *args)
     torch.testing.assert_close(got, want, **TOL)
     assert torch.count_nonzero(got[0]) == 0  # nothing to attend but the sink
     if rows is not None:  # -1 (the kernel's "no pick") is skipped like a pick past `visible`
         past = torch.where(rows >= visible[:, None], -1, rows)
         torch.testing.assert_close(
-            KernelOps().paged_attend(attn, q, swa, swa_slots, comp, page_table, past, visible, PAGE), got
+            CpuKernelAttention().paged_attend(attn, q, swa, swa_slots, comp, page_table, past, visible, PAGE),
+            got,
         )
 
 
@@ -70,8 +71,10 @@ def test_paged_attention_rejects_other_dtypes_and_missing_visible(model) -> None
         torch.ops.dsv4.paged_attention(
             q.double(), swa, slots, None, table, None, None, 128, PAGE, attn.sinks, 1.0
         )
-    # KernelOps sends other dtypes to the torch form instead.
-    bf16 = KernelOps().paged_attend(attn, q.bfloat16(), swa.bfloat16(), slots, None, table, None, None, PAGE)
+    # The kernel backend sends other dtypes to the torch form instead.
+    bf16 = CpuKernelAttention().paged_attend(
+        attn, q.bfloat16(), swa.bfloat16(), slots, None, table, None, None, PAGE
+    )
     assert bf16.dtype == torch.bfloat16
 
 
@@ -84,8 +87,8 @@ def test_index_topk_equals_torch_form(model, visible: list[int]) -> None:
     weights = torch.randn(bsz, indexer.num_heads, generator=g)
     keys = torch.randn((bsz * pages + 1) * PAGE // 4, indexer.head_dim, generator=g)
     table, vis = _page_table(bsz, pages, g), torch.tensor(visible)
-    want = TorchOps().index_topk(indexer, q, weights, keys, table, vis, PAGE)
-    got = KernelOps().index_topk(indexer, q, weights, keys, table, vis, PAGE)
+    want = TorchAttention().index_topk(indexer, q, weights, keys, table, vis, PAGE)
+    got = CpuKernelAttention().index_topk(indexer, q, weights, keys, table, vis, PAGE)
     assert got.shape == (bsz, k) and got.dtype == torch.long
     for b, n in enumerate(visible):
         picked = [r for r in got[b].tolist() if r >= 0]
@@ -102,8 +105,8 @@ def test_index_topk_ties_go_to_the_lower_row(model) -> None:
     weights = torch.rand(2, indexer.num_heads, generator=g)
     keys = torch.randn(1, indexer.head_dim, generator=g).expand(3 * PAGE // 4, -1).contiguous()
     table, vis = _page_table(2, 1, g), torch.tensor([32, 32])
-    want = TorchOps().index_topk(indexer, q, weights, keys, table, vis, PAGE)
-    got = KernelOps().index_topk(indexer, q, weights, keys, table, vis, PAGE)
+    want = TorchAttention().index_topk(indexer, q, weights, keys, table, vis, PAGE)
+    got = CpuKernelAttention().index_topk(indexer, q, weights, keys, table, vis, PAGE)
     assert torch.equal(got, want)
     assert got[0].tolist() == list(range(indexer.topk))
 
@@ -122,6 +125,6 @@ def test_eager_decode_runs_the_attention_kernels(model, make_mem, monkeypatch) -
         raise AssertionError("fell back to the torch form")
 
     for name in ("compress", "index_topk", "paged_attend"):
-        monkeypatch.setattr(TorchOps, name, fail)
+        monkeypatch.setattr(TorchAttention, name, fail)
     logits = mem.decode_batched(runner, ["a", "b"], [5, 6])
     assert logits.shape[0] == 2 and torch.isfinite(logits).all()

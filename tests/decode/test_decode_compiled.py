@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv4_engine.attention.backends import CpuKernelAttention
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.graph_runner import DecodeGraphRunner, default_inductor_cache
 from dsv4_engine.loader import load_checkpoint
 from dsv4_engine.make_tiny import make_tiny
 from dsv4_engine.model import Dsv4ForCausalLM
-from dsv4_engine.model.decode_ops import CompiledOps
 
 MAX_CTX = 1024
 SMALL = {"num_hidden_layers": 2, "compress_ratios": [4, 128], "num_hash_layers": 1, "hc_sinkhorn_iters": 3}
@@ -38,7 +38,9 @@ def _unique_graphs() -> int:
 
 
 @pytest.mark.parametrize(
-    "kernels", [True, False], ids=["CompiledOps (CPU)", "torch forms only (other devices, DSV4_KERNELS=0)"]
+    "kernels",
+    [True, False],
+    ids=["the CPU kernels a compiler keeps", "torch forms only (other devices, DSV4_KERNELS=0)"],
 )
 def test_compiled_equals_eager_without_recompiles(small_model, make_mem, kernels: bool) -> None:
     eager_mem, comp_mem = make_mem(small_model), make_mem(small_model)
@@ -53,7 +55,7 @@ def test_compiled_equals_eager_without_recompiles(small_model, make_mem, kernels
         kernels=kernels,
         skip_guards=False,  # full guards on every call, so a recompile would show
     )
-    assert isinstance(comp.ops(), CompiledOps) == kernels
+    assert isinstance(comp.backend, CpuKernelAttention) == kernels
     comp.warmup()  # one bucket keeps a cold compile short; batches of 1 and 2 both replay it
     assert comp.num_compiles == 1
     graphs = _unique_graphs()

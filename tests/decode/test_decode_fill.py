@@ -1,4 +1,5 @@
-"""`fill_decode_buffers` writes exactly what `build_decode_metadata` + `DecodeBuffers.refresh` write."""
+"""`fill_decode_buffers` writes exactly what `build_decode_metadata` + `DecodeBuffers.refresh` write,
+from the same bundle of out-cache locations."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import torch
 
 from dsv4_engine import kernels
 from dsv4_engine.attention import DecodeBuffers, build_decode_metadata
-from dsv4_engine.attention.decode_fill import fill_decode_buffers, fill_decode_buffers_kernel, step_inputs
+from dsv4_engine.attention.decode_fill import (
+    DecodeLocs,
+    fill_decode_buffers,
+    fill_decode_buffers_kernel,
+    step_inputs,
+)
 from dsv4_engine.memory import ExtendSpec
 
 # Prompt lengths around the window (16), ratio-4, ratio-128 and state-tail (tail <= 3) boundaries.
@@ -38,7 +44,7 @@ def test_fill_equals_reference_builder(make_mem, batch: int, fill: str) -> None:
         bs = fast_bufs.bucket_for(len(reqs))
         req, pos, valid = step_inputs(reqs, [s.prefix_len for s in specs], bs)
         fast_bufs.buffers(bs).page_table.fill_(-7)  # stale contents must all be overwritten
-        fill_fn(fast_bufs.buffers(bs), mem.req_pool, 128, req, pos, valid)
+        fill_fn(fast_bufs.buffers(bs), mem.req_pool, 128, req, pos, valid, DecodeLocs.of(bundle, bs))
         got = fast_bufs.buffers(bs).tensors()
         for name, value in want.tensors().items():
             assert torch.equal(got[name], value), f"step {step}: {name} differs"

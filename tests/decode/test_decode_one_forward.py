@@ -26,7 +26,7 @@ def _hooks(model, calls: dict[str, int], scale: dict[str, float]):  # type: igno
     return handles
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["kernel set", "torch set"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch forms"])
 def test_module_forwards_run_in_prefill_and_both_decode_paths(model, make_mem, kernels: bool) -> None:
     layers = len(model.model.layers)
     calls = {"attn": 0, "moe": 0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -13,9 +14,10 @@ import pytest
 import torch
 
 from dsv4_engine import kernels
-from dsv4_engine.model.decode_ops import KernelOps, TorchOps
+from dsv4_engine.attention.backends import CpuKernelAttention, TorchAttention
 from dsv4_engine.model.hyper import HyperConnection, expand
 from dsv4_engine.model.moe import Experts, Router
+from dsv4_engine.model.ops import KernelChoice
 from dsv4_engine.model.packed import pack_linears
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -27,6 +29,28 @@ SKINNY = platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cp
 def _built() -> None:
     # CI has a compiler: the kernels must build there, or the eager decode silently loses them.
     assert kernels.available(), "the dsv4 CPU kernels did not build (see the log for the compiler error)"
+
+
+@contextlib.contextmanager
+def _kernels(module: torch.nn.Module, on: bool):
+    """`module` (and its submodules) choosing the kernels (`on`) or the torch forms, then as before."""
+    choosers = [m for m in module.modules() if isinstance(m, KernelChoice)]
+    before = [m.use_kernels for m in choosers]
+    for m in choosers:
+        m.use_kernels = on
+    try:
+        yield module
+    finally:
+        for m, b in zip(choosers, before, strict=True):
+            m.use_kernels = b
+
+
+def _both(module: torch.nn.Module, fn):
+    """fn(module) with the kernels, then with the torch forms."""
+    with torch.no_grad(), _kernels(module, True):
+        got = fn(module)
+    with torch.no_grad(), _kernels(module, False):
+        return got, fn(module)
 
 
 def _randomised(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -142,9 +166,8 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 9])
 def test_small_decode_kernels_equal_their_torch_forms(model, dtype: torch.dtype, rows: int) -> None:
-    """The eager step's one-dispatch kernels against the torch forms: bf16 runs their own aten ops
-    (bit-equal), fp32 plain loops (within rounding; ids and pool writes exact)."""
-    torch_ops, kernel_ops = TorchOps(), KernelOps()
+    """The modules' one-dispatch kernels against their torch forms, as each module chooses them: bf16
+    runs aten ops (bit-equal), fp32 plain loops (within rounding; ids and pool writes exact)."""
 
     def check(got: torch.Tensor, want: torch.Tensor) -> None:
         if dtype == torch.float32:
@@ -160,7 +183,7 @@ def test_small_decode_kernels_equal_their_torch_forms(model, dtype: torch.dtype,
     with torch.no_grad():
         post, comb, _ = hc.reference(streams.float())
     out = torch.randn(rows, d, generator=g).to(dtype)
-    check(kernel_ops.hc_post(post, comb, out, streams), torch_ops.hc_post(post, comb, out, streams))
+    check(*_both(hc, lambda m: m.expand(post, comb, out, streams)))
 
     width = 2 * model.config.head_dim  # a ratio-4 compressor's state half
     kv = torch.randn(rows, width, generator=g).to(dtype)
@@ -168,25 +191,23 @@ def test_small_decode_kernels_equal_their_torch_forms(model, dtype: torch.dtype,
     loc = torch.randperm(40, generator=g)[:rows] + 1
     pools = [torch.randn(48, width, generator=g) for _ in range(2)]
     pools[1].copy_(pools[0])
-    torch_ops.masked_put(pools[0], loc, kv, mask)
-    kernel_ops.masked_put(pools[1], loc, kv, mask)
+    TorchAttention().masked_put(pools[0], loc, kv, mask)
+    CpuKernelAttention().masked_put(pools[1], loc, kv, mask)
     assert torch.equal(pools[1], pools[0]) and torch.equal(pools[0][loc[mask]], kv[mask].float())
 
     x = torch.randn(rows, d, generator=g).to(dtype)
     input_ids = torch.randint(0, model.config.vocab_size, (rows,), generator=g)
     for layer in layers[:2]:  # a hash layer, then a score-routed one
         router = copy.deepcopy(layer.mlp.gate).to(dtype)
-        with torch.no_grad():
-            want_w, want_ids = torch_ops.route(router, x, input_ids)
-            got_w, got_ids = kernel_ops.route(router, x, input_ids)
+        (got_w, got_ids), (want_w, want_ids) = _both(router, lambda m: m(x, input_ids))
         assert torch.equal(got_ids, want_ids), router.is_hash
         check(got_w, want_w)
 
     moe = copy.deepcopy(layers[1].mlp).to(dtype)
     pack = pack_linears([moe.shared_experts.gate_proj, moe.shared_experts.up_proj])
+    got, want = _both(moe.shared_experts, lambda m: m(x, pack))
+    check(got, want)
     with torch.no_grad():
-        got = kernel_ops.shared_expert(moe, x, pack)
-        check(got, torch_ops.shared_expert(moe, x, pack))
         torch.testing.assert_close(got, moe.shared_experts(x))
 
 
@@ -270,7 +291,8 @@ def test_shared_expert_loop(model, rows: int) -> None:
     with torch.no_grad():
         gate, up = shared.gate_proj(x), shared.up_proj(x)
         assert (gate > 0.5).any() and (up > 0.5).any() and (up < -0.5).any()
-        got = KernelOps().shared_expert(moe, x, pack)
+        with _kernels(shared, True):
+            got = shared(x, pack)
         _close(got, shared(x))
 
 
@@ -291,7 +313,7 @@ def test_masked_put_loop(dtype: torch.dtype, slot_dtype: torch.dtype) -> None:
         lambda: wide[:, :8].t().clone().t(),
     ):
         pool, want, got = fresh(), fresh(), fresh()
-        TorchOps().masked_put(want, slots.long(), rows, mask)
+        TorchAttention().masked_put(want, slots.long(), rows, mask)
         torch.ops.dsv4.masked_put(got, slots, rows, mask)
         assert torch.equal(got, want)
         assert torch.equal(got[[5, 9]], rows[[0, 2]]) and not got[0].any()
@@ -319,5 +341,4 @@ def test_projection_kernels_equal_torch(model, rows: int) -> None:
     )  # any leading dims
     o_a = model.model.layers[0].self_attn.o_a_proj
     grouped = torch.randn(rows, o_a.groups, o_a.in_features, generator=g)
-    with torch.no_grad():
-        _close(KernelOps().grouped_linear(o_a, grouped), o_a(grouped))
+    _close(*_both(o_a, lambda m: m(grouped)))

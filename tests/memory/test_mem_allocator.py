@@ -178,17 +178,15 @@ def test_a_step_that_fits_takes_fresh_pages_before_releasing(make_mem) -> None:
     assert [int(mem.req_pool.req_to_token_swa[r, k * 128]) // 128 for k in (1, 2)] == [2, 3]
 
 
-def test_the_state_tail_rule_is_one_rule_for_ints_tensors_and_the_kernel_table() -> None:
-    """The allocator (ints), the batched decode fill (tensors) and the C++ fill (a table) all read
-    memory/state_tail.py's rule: the same tail for every sequence length."""
+def test_the_state_tail_rule_is_one_rule_for_ints_and_tensors() -> None:
+    """The allocator (ints) and any tensor caller read memory/state_tail.py's one rule; the decode
+    fills no longer apply it (where a decode row writes state is the allocator's bundle)."""
     import torch
 
-    from dsv4_engine.memory.state_tail import STATE_TAIL_BLOCK, state_alloc_len, state_tail_table
+    from dsv4_engine.memory.state_tail import STATE_TAIL_BLOCK, state_alloc_len
 
     seqs = range(0, 5 * STATE_TAIL_BLOCK + 7)
     for ratio in (4, 128):
         ints = [state_alloc_len(ratio, s) for s in seqs]
         assert state_alloc_len(ratio, torch.tensor(list(seqs))).tolist() == ints
-        table, b = state_tail_table(ratio), STATE_TAIL_BLOCK
-        assert [table[s if s < b else b + s % b] for s in seqs] == ints
     assert state_alloc_len(4, 130) == 130 and state_alloc_len(4, 132) == 4 and state_alloc_len(128, 130) == 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv4_engine.attention.paged_extend import paged_extend_batch
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.make_tiny import build_config
 from dsv4_engine.memory import (
@@ -17,7 +18,6 @@ from dsv4_engine.memory import (
     PagedMemory,
     PoolSizes,
 )
-from dsv4_engine.memory.seq_cache import PagedSeqCache
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
 from dsv4_engine.testing import dense_cache
 
@@ -38,24 +38,28 @@ class Paged:
         mem = PagedMemory.build(layout, self.sizes, max_reqs=4, max_ctx=MAX_CTX)
         self.kv, self.req_pool, self.alloc = mem.kv, mem.req_pool, mem.allocator
 
-    def new_cache(self) -> PagedSeqCache:
-        return PagedSeqCache(self.kv, self.alloc, self.alloc.alloc_request())
+    def new_request(self) -> int:
+        return self.alloc.alloc_request()
 
 
 def run(model, caches, prompts: list[list[int]], chunk: int | None, steps: int, paged: Paged | None):
-    """Prefill every prompt (in chunks), then greedy-decode all together; logits of each step."""
+    """Prefill every prompt (in chunks), then greedy-decode all together; logits of each step.
+    caches: dense caches, or with `paged` request rows of its pools."""
+    lens = [0] * len(prompts)
     done = [0] * len(prompts)
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     tokens: list[list[int]] = [[] for _ in prompts]
 
     def forward(items: list[tuple[int, list[int]]]) -> None:
         if paged is not None:
-            specs = [
-                ExtendSpec(caches[i].req_idx, caches[i].num_tokens, caches[i].num_tokens + len(t))
-                for i, t in items
-            ]
-            paged.alloc.alloc_extend(specs)
-        batch = ForwardBatch.build([(caches[i], t) for i, t in items])
+            specs = [ExtendSpec(caches[i], lens[i], lens[i] + len(t)) for i, t in items]
+            bundle = paged.alloc.alloc_extend(specs)
+            chunks = [t for _, t in items]
+            batch = paged_extend_batch(paged.kv, paged.req_pool, specs, bundle, chunks, model.dtype)
+        else:
+            batch = ForwardBatch.build([(caches[i], t) for i, t in items])
+        for i, t in items:
+            lens[i] += len(t)
         with torch.no_grad():
             hidden = model(batch)
         for (i, _), seq in zip(items, batch.seqs, strict=True):
@@ -84,14 +88,14 @@ def test_paged_equals_dense_bitwise(model) -> None:
     dense_tokens, dense_logits = run(model, [dense_cache(model) for _ in prompts], prompts, chunk, 6, None)
     paged = Paged(model)
     free0 = paged.alloc.num_free()
-    caches = [paged.new_cache() for _ in prompts]
-    paged_tokens, paged_logits = run(model, caches, prompts, chunk, 6, paged)
+    rows = [paged.new_request() for _ in prompts]
+    paged_tokens, paged_logits = run(model, rows, prompts, chunk, 6, paged)
     assert paged_tokens == dense_tokens
     for a, b in zip(dense_logits, paged_logits, strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
-    for c in caches:
-        c.free()
+    for row in rows:
+        paged.alloc.free(row)
     assert paged.alloc.num_free() == free0
 
 
@@ -102,7 +106,7 @@ def test_paged_chunked_matches_unchunked_tokens(model) -> None:
     outs = []
     for chunk in (None, 128):
         paged = Paged(model)
-        outs.append(run(model, [paged.new_cache()], prompt, chunk, 6, paged))
+        outs.append(run(model, [paged.new_request()], prompt, chunk, 6, paged))
     for tokens, logits in outs[1:]:
         assert tokens == outs[0][0]
         for x, y in zip(logits[0], outs[0][1][0], strict=True):
@@ -116,7 +120,7 @@ def test_paged_equals_dense_bitwise_long(model, chunk: int | None) -> None:
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (517, 1, 258)]
     dense_tokens, dense_logits = run(model, [dense_cache(model) for _ in prompts], prompts, chunk, 4, None)
     paged = Paged(model)
-    paged_tokens, paged_logits = run(model, [paged.new_cache() for _ in prompts], prompts, chunk, 4, paged)
+    paged_tokens, paged_logits = run(model, [paged.new_request() for _ in prompts], prompts, chunk, 4, paged)
     assert paged_tokens == dense_tokens
     for a, b in zip(dense_logits, paged_logits, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv4_engine.attention.paged_extend import paged_extend_batch
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.make_tiny import build_config
 from dsv4_engine.memory import (
@@ -13,8 +14,7 @@ from dsv4_engine.memory import (
     PagedMemory,
     PoolSizes,
 )
-from dsv4_engine.memory.seq_cache import PagedSeqCache
-from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
+from dsv4_engine.model import Dsv4ForCausalLM
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.scheduler import Scheduler, SchedulerConfig, Sequence
 
@@ -44,15 +44,10 @@ def generate(
     ]
     for s in seqs:
         sched.add(s)
-    caches: dict[int, PagedSeqCache] = {}
     while sched.has_unfinished():
         out = sched.schedule()
-        for c in out.chunks:
-            cache = caches.get(c.seq.req_idx)
-            if cache is None or c.start == 0:  # a fresh row (new or recomputed request)
-                cache = caches[c.seq.req_idx] = PagedSeqCache(kv, alloc, c.seq.req_idx)
-            cache.num_tokens = c.start
-        batch = ForwardBatch.build([(caches[c.seq.req_idx], c.token_ids) for c in out.chunks])
+        chunks = [c.token_ids for c in out.chunks]
+        batch = paged_extend_batch(kv, alloc.req_pool, out.specs, out.bundle, chunks, model.dtype)
         with torch.no_grad():
             hidden = model(batch)
         sampled = {}

@@ -1,22 +1,71 @@
-"""Fill a bucket's static decode buffers straight from the request tables, vectorised over the batch.
+"""Fill a bucket's static decode buffers from the step's out-cache locations and the request tables,
+vectorised over the batch.
 
 The same fields `build_decode_metadata` + `DecodeBuffers.refresh` produce (the tests check every
 field), in about two tensor ops per field instead of a Python loop per request: on a dispatch-bound
-decode step the metadata must cost far less than the forward. Call it after `alloc_decode`.
+decode step the metadata must cost far less than the forward. What the step writes, and where, is
+the allocator's (`alloc_decode`'s bundle, one slot per row in `DecodeLocs`: a row writes where its
+slot is not the sentinel 0); what it reads comes from the tables.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
 import torch
 
+from ..memory.allocator import DSV4OutCacheLoc
 from ..memory.req_to_token import Dsv4ReqPool
-from ..memory.state_tail import state_alloc_offset, state_tail_table
 from .metadata import AttentionMetadata, CompressMetadata
 
 I64 = torch.int64
+
+
+@dataclass
+class DecodeLocs:
+    """Where each row of a decode step writes (`[bucket]` int64; 0, the sentinel slot, where it writes
+    nothing): its SWA row, and per ratio its completed block's row and its state row."""
+
+    swa: torch.Tensor
+    c4: torch.Tensor
+    c4_state: torch.Tensor
+    c128: torch.Tensor
+    c128_state: torch.Tensor
+
+    @classmethod
+    def zeros(cls, bucket: int, device: torch.device | str = "cpu") -> DecodeLocs:
+        return cls(*(torch.zeros(bucket, dtype=I64, device=device) for _ in fields(cls)))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def copy_(self, other: DecodeLocs) -> None:
+        for name, t in self.tensors().items():
+            t.copy_(getattr(other, name))
+
+    @classmethod
+    def of(cls, bundle: DSV4OutCacheLoc, bucket: int) -> DecodeLocs:
+        """A decode step's bundle (one token per request, so at most one slot of each kind per row)
+        as one slot per row, padded to the bucket."""
+        n = len(bundle.extend_counts)
+        if bundle.extend_counts != [1] * n:
+            raise ValueError("a decode step's bundle has one new token per request")
+
+        def per_row(values: torch.Tensor, counts: list[int]) -> torch.Tensor:
+            if any(c > 1 for c in counts) or sum(counts) != values.numel():
+                raise ValueError(f"a decode step writes at most one slot of a kind per row, got {counts}")
+            it = iter(values.tolist())
+            return torch.tensor([next(it) if c else 0 for c in counts] + [0] * (bucket - n), dtype=I64)
+
+        return cls(
+            swa=per_row(bundle.out_swa_loc, bundle.extend_counts),
+            c4=per_row(bundle.out_c4_loc, bundle.c4_counts),
+            c4_state=per_row(bundle.out_c4_state_loc, bundle.c4_state_counts),
+            c128=per_row(bundle.out_c128_loc, bundle.c128_counts),
+            c128_state=per_row(bundle.out_c128_state_loc, bundle.c128_state_counts),
+        )
 
 
 def _put(dst: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, pad: int = 0) -> None:
@@ -30,17 +79,17 @@ def _gather(table: torch.Tensor, req: torch.Tensor, cols: torch.Tensor) -> torch
 
 
 def _fill_compress(
-    cm: CompressMetadata, state_table: torch.Tensor, rows_table: torch.Tensor,
+    cm: CompressMetadata, state_table: torch.Tensor, block_loc: torch.Tensor, state_loc: torch.Tensor,
     req: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor,
 ) -> None:  # fmt: skip
     r = cm.ratio
     seq = pos + 1
-    complete = seq % r == 0
+    complete = block_loc > 0
     block = pos // r
     cm.block_req.copy_(rows)
     cm.state_write_token.copy_(rows)
     _put(cm.block_positions, torch.where(complete, block * r, 0), valid)
-    _put(cm.block_loc, torch.where(complete, _gather(rows_table, req, block), 0), valid)
+    _put(cm.block_loc, block_loc, valid)
     _put(cm.block_mask, complete, valid)
     start = block * r - (r if r == 4 else 0)  # c4 also reads the previous block (overlap)
     _put(cm.state_read_start, start, valid)
@@ -48,10 +97,9 @@ def _fill_compress(
     cols = start[:, None] + torch.arange(cm.state_read_slots.shape[1], device=pos.device)[None, :]
     stored = (cols >= 0) & (cols < pos[:, None])
     _put(cm.state_read_slots, torch.where(stored, _gather(state_table, req[:, None], cols), 0), valid)
-    write = pos >= state_alloc_offset(r, seq)
     _put(cm.state_write_pos, pos, valid)
-    _put(cm.state_write_loc, torch.where(write, _gather(state_table, req, pos), 0), valid)
-    _put(cm.state_write_mask, write, valid)
+    _put(cm.state_write_loc, state_loc, valid)
+    _put(cm.state_write_mask, state_loc > 0, valid)
     _put(cm.visible, seq // r, valid)
 
 
@@ -62,10 +110,12 @@ def fill_decode_buffers(
     req: torch.Tensor,
     pos: torch.Tensor,
     valid: torch.Tensor,
+    locs: DecodeLocs,
 ) -> None:
     """Write one decode step into `buf` in place: `req`, `pos`, `valid` are `[bucket]` tensors (the
-    request row, the position it decodes, False on padding rows, which must come last). Static
-    shapes and no host reads, so it may run inside a compiled or captured step."""
+    request row, the position it decodes, False on padding rows, which must come last), `locs`
+    where each row writes. Static shapes and no host reads, so it may run inside a compiled or
+    captured step."""
     bs = buf.positions.shape[0]
     req = torch.where(valid, req, 0)
     pos = torch.where(valid, pos, 0)
@@ -80,7 +130,7 @@ def fill_decode_buffers(
     _put(buf.positions, pos, valid)
     buf.token_req.copy_(rows)
     swa_table = req_pool.req_to_token_swa
-    _put(buf.out_swa_loc, _gather(swa_table, req, pos), valid)
+    _put(buf.out_swa_loc, locs.swa, valid)
     window = buf.swa_slots.shape[1]
     keys = pos[:, None] - torch.arange(window - 1, -1, -1, device=pos.device)[None, :]
     _put(buf.swa_slots, torch.where(keys >= 0, _gather(swa_table, req[:, None], keys), -1), valid, pad=-1)
@@ -89,11 +139,10 @@ def fill_decode_buffers(
     held = pages < (seq[:, None] + page_size - 1) // page_size
     _put(buf.page_table, torch.where(held, first, 0), valid)
     if buf.c4 is not None:
-        c4_state, c4_rows = req_pool.req_to_token_c4_state, req_pool.req_to_token_c4
-        _fill_compress(buf.c4, c4_state, c4_rows, req, pos, valid, rows)
+        _fill_compress(buf.c4, req_pool.req_to_token_c4_state, locs.c4, locs.c4_state, req, pos, valid, rows)
     if buf.c128 is not None:
-        c128_state, c128_rows = req_pool.req_to_token_c128_state, req_pool.req_to_token_c128
-        _fill_compress(buf.c128, c128_state, c128_rows, req, pos, valid, rows)
+        table = req_pool.req_to_token_c128_state
+        _fill_compress(buf.c128, table, locs.c128, locs.c128_state, req, pos, valid, rows)
 
 
 @functools.cache
@@ -104,11 +153,6 @@ def _kernel_fields() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(main), tuple(compress)
 
 
-@functools.cache
-def _tail_table(ratio: int) -> torch.Tensor:
-    return torch.tensor(state_tail_table(ratio), dtype=I64)
-
-
 def fill_decode_buffers_kernel(
     buf: AttentionMetadata,
     req_pool: Dsv4ReqPool,
@@ -116,6 +160,7 @@ def fill_decode_buffers_kernel(
     req: torch.Tensor,
     pos: torch.Tensor,
     valid: torch.Tensor,
+    locs: DecodeLocs,
 ) -> None:
     """`fill_decode_buffers` as one `dsv4::fill_decode` CPU kernel call (about 230 eager ops
     otherwise). It reads the inputs on the host, so it is for eager CPU steps only."""
@@ -125,9 +170,8 @@ def fill_decode_buffers_kernel(
     c128 = [getattr(buf.c128, name) for name in compress_fields] if buf.c128 is not None else []
     torch.ops.dsv4.fill_decode(
         req, pos, valid, req_pool.req_to_token_swa, req_pool.req_to_token,
-        req_pool.req_to_token_c4_state, req_pool.req_to_token_c4,
-        req_pool.req_to_token_c128_state, req_pool.req_to_token_c128,
-        page_size, _tail_table(4), _tail_table(128), fields, c4, c128,
+        req_pool.req_to_token_c4_state, req_pool.req_to_token_c128_state, page_size,
+        locs.swa, locs.c4, locs.c4_state, locs.c128, locs.c128_state, fields, c4, c128,
     )  # fmt: skip
 
 

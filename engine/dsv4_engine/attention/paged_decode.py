@@ -17,11 +17,11 @@ substitute the fresh values), so a compiler updates the pools in place instead o
    top-k, and only those k compressed rows are gathered.
 4. Softmax over [window | compressed | sink] per head, as `Dsv4Attention._attend`.
 
-Steps 2-4 go through the ops object (`ops.compress`, `ops.index_topk`, `ops.paged_attend`): the
-torch forms here (`compress_decode`, `index_topk`, `paged_attend`, ops first: they are `TorchOps`'
-methods) are what a compiler fuses and a device graph captures; `KernelOps` (the eager CPU
-step) runs them as loops over the pools in place (`kernels/attention.cpp`), ~40 fewer dispatched
-ops a layer.
+The pool writes and steps 2-4 are the attention backend's (`attention.backends`): the torch
+forms here (`compress_decode`, `index_topk`, `paged_attend`, backend first) are what a compiler
+fuses and a device graph captures; the CPU-kernel backend runs them as loops over the pools in
+place (`kernels/attention.cpp`), ~40 fewer dispatched ops a layer. The projections, norms and RoPE
+around them are the modules' own, each choosing its kernel (`model.ops.KernelChoice`).
 """
 
 from __future__ import annotations
@@ -30,55 +30,21 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..memory.pools import Dsv4TokenToKVPool
-from ..model.attention import Dsv4Attention, GroupedLinear
+from ..model.attention import Dsv4Attention
 from ..model.compressor import Compressor, Indexer
-from ..model.ops import RMSNorm
+from ..model.ops import unweighted_rms_norm
 from ..model.packed import Packed, attention_inputs
+from ..rope import rotate_rows
 from .metadata import AttentionMetadata, CompressMetadata
 
 NEG_INF = float("-inf")
 
 
-class DecodeOps(Protocol):
-    """The ops this module calls: `model.decode_ops.TorchOps` and its subclasses. Declared here, not
-    imported from there: decode_ops takes its attention forms from this module, so naming `TorchOps`
-    here made the two modules import each other."""
-
-    for_compiler: bool
-
-    def linear(self, m: nn.Linear, x: torch.Tensor) -> torch.Tensor: ...
-
-    def moe(
-        self, moe: nn.Module, x: torch.Tensor, input_ids: torch.Tensor, shared_pack: Packed | None
-    ) -> torch.Tensor: ...
-
-    def hc_pre(
-        self, hc: nn.Module, streams: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-    def hc_post(
-        self,
-        post: torch.Tensor,
-        comb: torch.Tensor,
-        out: torch.Tensor,
-        streams: torch.Tensor,
-        into: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
-
-    def project(self, pack: Packed, x: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
-
-    def grouped_linear(self, m: GroupedLinear, x: torch.Tensor) -> torch.Tensor: ...
-
-    def norm(self, m: RMSNorm, x: torch.Tensor) -> torch.Tensor: ...
-
-    def unit_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor: ...
-
-    def rotate(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
-    ) -> torch.Tensor: ...
+class AttentionBackend(Protocol):
+    """What `paged_decode_attention` leaves to its backend (`attention.backends`): the pool writes,
+    the compressors' state update, the indexer's top-k and the attention itself."""
 
     def masked_put(
         self, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
@@ -127,9 +93,9 @@ class DecodeOps(Protocol):
 
 class DecodeBatch:
     """The batched decode step's batch for `Dsv4Model.forward` (model/batch.py): one token per row,
-    everything read from the static metadata `meta` and the pools, with the step's kernel set `ops`
-    (`model.decode_ops`). Nothing here reads a value back to the host, so the forward over it can be
-    compiled or captured.
+    everything read from the static metadata `meta` and the pools, attention by `backend`
+    (`attention.backends`). Nothing here reads a value back to the host (but an eager step's
+    `num_pages`), so the forward over it can be compiled or captured.
 
     num_pages (eager only): the step's longest context in pages (`paged_decode_attention`).
     packs: per layer, the packed attention-input and shared-expert projections (`model.packed`)."""
@@ -139,13 +105,15 @@ class DecodeBatch:
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         pools: PoolViews,
-        ops: DecodeOps,
+        backend: AttentionBackend,
         num_pages: int | None = None,
         packs: list[tuple[Packed, Packed]] | None = None,
     ) -> None:
-        self.input_ids, self.meta, self.pools, self.ops = input_ids, meta, pools, ops
+        self.input_ids, self.meta, self.pools, self.backend = input_ids, meta, pools, backend
         self.num_pages, self.packs = num_pages, packs
         self.memo: dict = {}  # RoPE lookups of the step, filled by the model
+
+    static = True  # one row per request at the bucket's size: the modules' static-shape forms
 
     @property
     def positions(self) -> torch.Tensor:
@@ -158,7 +126,7 @@ class DecodeBatch:
         cos, sin = self.memo[id(attn.rope)]
         pack = self.packs[attn.layer][0] if self.packs is not None else None
         return paged_decode_attention(
-            attn, x, self.meta, self.pools, cos, sin, self.ops, self.num_pages, pack
+            attn, x, self.meta, self.pools, cos, sin, self.backend, self.num_pages, pack
         )
 
     def shared_pack(self, layer: int) -> Packed | None:
@@ -201,7 +169,7 @@ def gather_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def compress_decode(
-    ops: DecodeOps,
+    backend: AttentionBackend,
     comp: Compressor,
     kv: torch.Tensor,
     gate: torch.Tensor,
@@ -230,16 +198,16 @@ def compress_decode(
     )
     state.index_put_((torch.where(cm.state_write_mask, cm.state_write_loc, 0),), masked)
     if not sparse:
-        row = _pool(comp, own, positions, cm.state_read_start, cm.state_read_slots, state, kv.dtype, ops)
+        row = _pool(comp, own, positions, cm.state_read_start, cm.state_read_slots, state, kv.dtype)
         cos, sin = comp.rope.lookup(cm.block_positions)
-        ops.masked_put(rows_pool, cm.block_loc, ops.rotate(row, cos, sin), cm.block_mask)
+        backend.masked_put(rows_pool, cm.block_loc, rotate_rows(row, cos, sin), cm.block_mask)
         return
     done = cm.block_mask.nonzero().squeeze(1)
     if len(done):
         start, slots = cm.state_read_start[done], cm.state_read_slots[done]
-        row = _pool(comp, own[done], positions[done], start, slots, state, kv.dtype, ops)
+        row = _pool(comp, own[done], positions[done], start, slots, state, kv.dtype)
         cos, sin = comp.rope.lookup(cm.block_positions[done])
-        rows_pool.index_put_((cm.block_loc[done],), ops.rotate(row, cos, sin).to(rows_pool.dtype))
+        rows_pool.index_put_((cm.block_loc[done],), rotate_rows(row, cos, sin).to(rows_pool.dtype))
 
 
 def _pool(
@@ -250,7 +218,6 @@ def _pool(
     read_slots: torch.Tensor,
     state: torch.Tensor,
     dtype: torch.dtype,
-    ops: DecodeOps,
 ) -> torch.Tensor:
     """The normalised compressed row `[B, D]` each row's window pools (the token's own state row in
     its column, the stored rows elsewhere), before RoPE."""
@@ -266,7 +233,7 @@ def _pool(
         win_kv, win_score = window[..., :half], window[..., half:]
     win_kv = win_kv.to(dtype)
     weights = win_score.to(dtype).softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
-    return ops.norm(comp.kv_norm, (win_kv * weights).sum(dim=1))
+    return comp.kv_norm((win_kv * weights).sum(dim=1))
 
 
 def _bias(visible: torch.Tensor) -> torch.Tensor:
@@ -280,7 +247,7 @@ def paged_decode_attention(
     pools: PoolViews,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    ops: DecodeOps,
+    backend: AttentionBackend,
     num_pages: int | None = None,
     packed: Packed | None = None,
 ) -> torch.Tensor:
@@ -293,12 +260,16 @@ def paged_decode_attention(
     that many pages instead of the table's full width (the longest context the buffers allow), and
     block pooling runs only for rows that complete a block (host reads; see `compress_decode`)."""
     layer, bsz = attn.layer, x.shape[0]
-    projected = ops.project(packed, x) if packed is not None else [m(x) for m in attention_inputs(attn)]
-    q_residual = ops.norm(attn.q_a_norm, projected[0])
-    q = ops.linear(attn.q_b_proj, q_residual).view(bsz, attn.num_heads, attn.head_dim)
-    q = ops.rotate(ops.unit_norm(q, attn.eps), cos, sin)
-    kv = ops.rotate(ops.norm(attn.kv_norm, projected[1]), cos, sin)
-    ops.masked_put(pools.swa[layer], meta.out_swa_loc, kv, meta.seq_lens > 0)
+    if packed is not None:
+        projected = packed(x, kernel=attn.kernel_for(x, opaque=True, loops=False))
+    else:
+        projected = [m(x) for m in attention_inputs(attn)]
+    loops = attn.kernel_for(x)  # RoPE and the unit norm as one-dispatch kernels
+    q_residual = attn.q_a_norm(projected[0])
+    q = attn.q_b_proj(q_residual).view(bsz, attn.num_heads, attn.head_dim)
+    q = rotate_rows(unweighted_rms_norm(q, attn.eps, kernel=loops), cos, sin, kernel=loops)
+    kv = rotate_rows(attn.kv_norm(projected[1]), cos, sin, kernel=loops)
+    backend.masked_put(pools.swa[layer], meta.out_swa_loc, kv, meta.seq_lens > 0)
 
     comp, comp_pool, rows, visible = attn.compressor, None, None, None
     sparse = num_pages is not None
@@ -308,27 +279,27 @@ def paged_decode_attention(
         cm = meta.c4 if c4 else meta.c128
         comp_pool, state = (pools.c4, pools.c4_state) if c4 else (pools.c128, pools.c128_state)
         comp_pool, visible = comp_pool[layer], cm.visible
-        ops.compress(comp, *projected[2:4], meta.positions, cm, state[layer], comp_pool, sparse)
+        backend.compress(comp, *projected[2:4], meta.positions, cm, state[layer], comp_pool, sparse)
         if c4:
             indexer = comp.indexer
             idx_kv, idx_gate, idx_w = projected[4:]
             index_pool = pools.indexer[layer]
-            ops.compress(
+            backend.compress(
                 indexer, idx_kv, idx_gate, meta.positions, cm, pools.c4_index_state[layer], index_pool, sparse
             )
-            idx_q = ops.linear(indexer.q_b_proj, q_residual).view(bsz, indexer.num_heads, indexer.head_dim)
-            idx_q = ops.rotate(idx_q, cos, sin)  # as Indexer.queries
+            idx_q = indexer.q_b_proj(q_residual).view(bsz, indexer.num_heads, indexer.head_dim)
+            idx_q = rotate_rows(idx_q, cos, sin, kernel=loops)  # as Indexer.queries
             idx_w = indexer.head_weights(idx_w)
-            rows = ops.index_topk(indexer, idx_q, idx_w, index_pool, page_table, visible, pools.page_size)
+            rows = backend.index_topk(indexer, idx_q, idx_w, index_pool, page_table, visible, pools.page_size)
 
-    out = ops.paged_attend(
+    out = backend.paged_attend(
         attn, q, pools.swa[layer], meta.swa_slots, comp_pool, page_table, rows, visible, pools.page_size
     )
-    return ops.rotate(out, cos, sin, inverse=True)  # undo RoPE carried by V
+    return rotate_rows(out, cos, sin, inverse=True, kernel=loops)  # undo RoPE carried by V
 
 
 def index_topk(
-    ops: DecodeOps,
+    backend: AttentionBackend,
     indexer: Indexer,
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -346,11 +317,11 @@ def index_topk(
     scores = (scores * weights[:, :, None]).sum(dim=1)  # [B, N]
     rows = torch.arange(slots.shape[1], device=q.device)[None, :]
     scores = scores.masked_fill(rows >= visible[:, None], NEG_INF)
-    return _stable_topk(scores, min(indexer.topk, slots.shape[1]), ops.for_compiler)
+    return _stable_topk(scores, min(indexer.topk, slots.shape[1]), torch.compiler.is_compiling())
 
 
 def paged_attend(
-    ops: DecodeOps,
+    backend: AttentionBackend,
     attn: Dsv4Attention,
     q: torch.Tensor,
     swa: torch.Tensor,
@@ -375,7 +346,7 @@ def paged_attend(
             comp_keys = gather_rows(comp_pool, slots.gather(1, rows))
         keys = torch.cat([keys, comp_keys.to(keys.dtype)], dim=1)
         bias = torch.cat([bias, _bias(rows < visible[:, None])], dim=1)
-    return ops.attend(attn, q, keys, bias)
+    return backend.attend(attn, q, keys, bias)
 
 
 def _stable_topk(scores: torch.Tensor, k: int, by_keys: bool) -> torch.Tensor:

@@ -76,7 +76,22 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("dsv4::fill_decode")
     def _(
-        req, pos, valid, swa, tokens, c4s, c4r, c128s, c128r, page_size, c4_tail, c128_tail, main, c4, c128
+        req,
+        pos,
+        valid,
+        swa,
+        tokens,
+        c4s,
+        c128s,
+        page_size,
+        swa_loc,
+        c4_loc,
+        c4s_loc,
+        c128_loc,
+        c128s_loc,
+        main,
+        c4,
+        c128,
     ):  # type: ignore[no-untyped-def]
         return None
 
@@ -158,7 +173,7 @@ def available() -> bool:
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Modules that pick kernels per call (mHC, routed experts) run their torch code inside: for
+    """Modules (`model.ops.KernelChoice`) run their torch code inside: for
     tools that must see every aten op, such as FLOP counting (a kernel's inner GEMMs are invisible)."""
     before = _state.get("ok")
     _state["ok"] = False

@@ -735,33 +735,32 @@ std::tuple<std::vector<std::string>, std::vector<std::string>> fill_decode_field
           std::vector<std::string>(kCompressNames, kCompressNames + kNumCompress)};
 }
 
-// The state tail rule lives in Python (memory/state_tail.py); `table` is its state_tail_table(ratio):
-// entry seq below the period, then one period that repeats.
-int64_t state_tail_len(const at::Tensor& table, int64_t seq) {
-  const int64_t period = table.size(0) / 2;
-  return table.data_ptr<int64_t>()[seq < period ? seq : period + seq % period];
+// One slot per row (int64 [bucket]; 0, the sentinel slot, where the row writes nothing): the step's
+// out-cache locations (attention/decode_fill.DecodeLocs), which say what the step writes and where.
+std::vector<int64_t> slots_of(const at::Tensor& t, int64_t bs, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.numel() == bs, "fill_decode: ", what,
+              " must be int64 [bucket]");
+  auto c = t.contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + bs);
 }
 
-void fill_compress(at::TensorList out, const Table& state, const Table& rows, int64_t ratio,
-                   const at::Tensor& tail_table, const std::vector<int64_t>& req,
+void fill_compress(at::TensorList out, const Table& state, int64_t ratio, const std::vector<int64_t>& block_loc,
+                   const std::vector<int64_t>& state_loc, const std::vector<int64_t>& req,
                    const std::vector<int64_t>& pos, const std::vector<bool>& valid) {
   TORCH_CHECK(out.size() == kNumCompress, "fill_decode: ", kNumCompress, " buffers per compress ratio, got ",
               out.size());
-  TORCH_CHECK(tail_table.scalar_type() == at::kLong && tail_table.is_contiguous() && tail_table.dim() == 1,
-              "fill_decode: the state tail table must be a contiguous int64 vector");
   const int64_t bs = static_cast<int64_t>(req.size()), width = out[kStateReadSlots].size(1);
   std::vector<std::vector<int64_t>> f(kNumCompress);
   for (int64_t i = 0; i < kNumCompress; ++i) f[i].reserve(i == kStateReadSlots ? bs * width : bs);
   for (int64_t b = 0; b < bs; ++b) {
     const bool v = valid[b];
     const int64_t r = req[b], p = pos[b], seq = p + 1, block = p / ratio;
-    const bool complete = seq % ratio == 0;
+    const bool complete = block_loc[b] > 0, write = state_loc[b] > 0;
     const int64_t start = block * ratio - (ratio == 4 ? ratio : 0);  // c4 also reads the previous block
-    const bool write = p >= seq - state_tail_len(tail_table, seq);
     f[kBlockReq].push_back(b);
     f[kStateWriteToken].push_back(b);
     f[kBlockPositions].push_back(v && complete ? block * ratio : 0);
-    f[kBlockLoc].push_back(v && complete ? rows.at(r, block) : 0);
+    f[kBlockLoc].push_back(v ? block_loc[b] : 0);
     f[kBlockMask].push_back(v && complete);
     f[kStateReadStart].push_back(v ? start : 0);
     f[kStateReadLen].push_back(v ? p - start : 0);
@@ -770,7 +769,7 @@ void fill_compress(at::TensorList out, const Table& state, const Table& rows, in
       f[kStateReadSlots].push_back(v && col >= 0 && col < p ? state.at(r, col) : 0);
     }
     f[kStateWritePos].push_back(v ? p : 0);
-    f[kStateWriteLoc].push_back(v && write ? state.at(r, p) : 0);
+    f[kStateWriteLoc].push_back(v ? state_loc[b] : 0);
     f[kStateWriteMask].push_back(v && write);
     f[kVisible].push_back(v ? seq / ratio : 0);
   }
@@ -779,10 +778,10 @@ void fill_compress(at::TensorList out, const Table& state, const Table& rows, in
 
 void fill_decode(const at::Tensor& req_t, const at::Tensor& pos_t, const at::Tensor& valid_t,
                  const at::Tensor& swa_table, const at::Tensor& token_table,
-                 const c10::optional<at::Tensor>& c4_state, const c10::optional<at::Tensor>& c4_rows,
-                 const c10::optional<at::Tensor>& c128_state, const c10::optional<at::Tensor>& c128_rows,
-                 int64_t page_size, const at::Tensor& c4_tail, const at::Tensor& c128_tail, at::TensorList main,
-                 at::TensorList c4, at::TensorList c128) {
+                 const c10::optional<at::Tensor>& c4_state, const c10::optional<at::Tensor>& c128_state,
+                 int64_t page_size, const at::Tensor& swa_loc, const at::Tensor& c4_loc,
+                 const at::Tensor& c4_state_loc, const at::Tensor& c128_loc, const at::Tensor& c128_state_loc,
+                 at::TensorList main, at::TensorList c4, at::TensorList c128) {
   TORCH_CHECK(main.size() == kNumMain, "fill_decode: ", kNumMain, " main buffers, got ", main.size());
   auto rq = req_t.to(at::kLong).contiguous(), ps = pos_t.to(at::kLong).contiguous();
   auto vd = valid_t.to(at::kBool).contiguous();
@@ -795,6 +794,7 @@ void fill_decode(const at::Tensor& req_t, const at::Tensor& pos_t, const at::Ten
     pos[b] = valid[b] ? ps.data_ptr<int64_t>()[b] : 0;
   }
   const Table swa{swa_table}, tokens{token_table};
+  const std::vector<int64_t> out_swa = slots_of(swa_loc, bs, "swa_loc");
   std::vector<std::vector<int64_t>> f(kNumMain);
   int64_t count = 0;
   f[kCuExtend].push_back(0);
@@ -809,7 +809,7 @@ void fill_decode(const at::Tensor& req_t, const at::Tensor& pos_t, const at::Ten
     f[kCuExtend].push_back(count);
     f[kPositions].push_back(v ? p : 0);
     f[kTokenReq].push_back(b);
-    f[kOutSwaLoc].push_back(v ? swa.at(r, p) : 0);
+    f[kOutSwaLoc].push_back(v ? out_swa[b] : 0);
     for (int64_t j = 0; j < window; ++j) {  // oldest first, -1 before position 0
       const int64_t key = p - (window - 1 - j);
       f[kSwaSlots].push_back(v && key >= 0 ? swa.at(r, key) : -1);
@@ -819,16 +819,21 @@ void fill_decode(const at::Tensor& req_t, const at::Tensor& pos_t, const at::Ten
       f[kPageTable].push_back(v && i < held ? tokens.at(r, i * page_size) / page_size : 0);
   }
   for (int64_t i = 0; i < kNumMain; ++i) put(main[i], f[i]);
-  if (!c4.empty()) fill_compress(c4, Table{*c4_state}, Table{*c4_rows}, 4, c4_tail, req, pos, valid);
-  if (!c128.empty()) fill_compress(c128, Table{*c128_state}, Table{*c128_rows}, 128, c128_tail, req, pos, valid);
+  if (!c4.empty())
+    fill_compress(c4, Table{*c4_state}, 4, slots_of(c4_loc, bs, "c4_loc"), slots_of(c4_state_loc, bs, "c4_state_loc"),
+                  req, pos, valid);
+  if (!c128.empty())
+    fill_compress(c128, Table{*c128_state}, 128, slots_of(c128_loc, bs, "c128_loc"),
+                  slots_of(c128_state_loc, bs, "c128_state_loc"), req, pos, valid);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(dsv4, m) {
   m.def("fill_decode(Tensor req, Tensor pos, Tensor valid, Tensor swa_table, Tensor token_table, "
-        "Tensor? c4_state, Tensor? c4_rows, Tensor? c128_state, Tensor? c128_rows, int page_size, "
-        "Tensor c4_tail, Tensor c128_tail, Tensor(a!)[] main, Tensor(b!)[] c4, Tensor(c!)[] c128) -> ()");
+        "Tensor? c4_state, Tensor? c128_state, int page_size, Tensor swa_loc, Tensor c4_loc, "
+        "Tensor c4_state_loc, Tensor c128_loc, Tensor c128_state_loc, Tensor(a!)[] main, Tensor(b!)[] c4, "
+        "Tensor(c!)[] c128) -> ()");
   m.def("fill_decode_fields() -> (str[], str[])", &fill_decode_fields);
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("sink_attention(Tensor q, Tensor keys, Tensor bias, Tensor sinks, float scaling) -> Tensor");

@@ -53,18 +53,6 @@ def state_alloc_offset(ratio: int, seq_len: P) -> P:
     return seq_len - state_alloc_len(ratio, seq_len)  # type: ignore[operator,return-value]
 
 
-def state_tail_table(ratio: int) -> list[int]:
-    """state_alloc_len(ratio, seq) as a table of 2 * STATE_TAIL_BLOCK entries, for a kernel that cannot
-    call the rule: entry seq for seq < STATE_TAIL_BLOCK, entry STATE_TAIL_BLOCK + seq % STATE_TAIL_BLOCK
-    beyond (the rule repeats with that period there; checked over four periods)."""
-    b = STATE_TAIL_BLOCK
-    table = [state_alloc_len(ratio, seq) for seq in range(2 * b)]
-    for seq in range(4 * b):
-        if table[seq if seq < b else b + seq % b] != state_alloc_len(ratio, seq):
-            raise AssertionError(f"the state tail of ratio {ratio} is not periodic from {b} on (seq {seq})")
-    return table
-
-
 def state_keep(ratio: int) -> int:
     return C4_STATE_KEEP if ratio == 4 else C128_STATE_KEEP
 

@@ -17,7 +17,7 @@ from torch import nn
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.model.batch import ForwardBatch, SeqSlice, StepBatch
 from dsv4_engine.model.compressor import Compressor, Indexer
-from dsv4_engine.model.ops import RMSNorm, unweighted_rms_norm_
+from dsv4_engine.model.ops import KernelChoice, Linear, RMSNorm, unweighted_rms_norm_
 from dsv4_engine.parallel.groups import SINGLE, Parallel, local_o_groups
 from dsv4_engine.rope import RopeTable, rotate_
 
@@ -27,14 +27,17 @@ from dsv4_engine.rope import RopeTable, rotate_
 QUERY_BLOCK = 32
 
 
-class GroupedLinear(nn.Linear):
-    """Block-diagonal projection: group g of the input uses rows [g*R, (g+1)*R) of the weight."""
+class GroupedLinear(Linear):
+    """Block-diagonal projection: group g of the input uses rows [g*R, (g+1)*R) of the weight; on CPU
+    as `dsv4::grouped_linear` (a skinny GEMM per group below 32 rows, this bmm from there on)."""
 
     def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
         super().__init__(in_per_group, out_features, bias=False)
         self.groups = groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, G, in] -> [T, G*R]
+        if self.kernel_for(x, opaque=True, loops=False):
+            return torch.ops.dsv4.grouped_linear(x, self.weight)
         w = self.weight.view(self.groups, -1, x.shape[-1])  # [G, R, in]
         return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
 
@@ -47,7 +50,7 @@ class CompressorWithIndexer(Compressor):
         self.indexer = Indexer(config, rope)
 
 
-class Dsv4Attention(nn.Module):
+class Dsv4Attention(nn.Module, KernelChoice):
     """On tp_size ranks each holds num_attention_heads / tp_size query heads, their sinks and their
     share of the output projections; the latent (one KV head), compressor and indexer are replicated,
     so every rank writes the same state and selects the same compressed rows."""
@@ -73,14 +76,14 @@ class Dsv4Attention(nn.Module):
         rope = rope_compress if self.ratio else rope_main
         object.__setattr__(self, "rope", rope)
 
-        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
-        self.kv_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.kv_proj = Linear(config.hidden_size, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         in_per_group = self.num_heads * self.head_dim // self.o_groups
         self.o_a_proj = GroupedLinear(in_per_group, self.o_groups * config.o_lora_rank, self.o_groups)
-        self.o_b_proj = nn.Linear(self.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.o_b_proj = Linear(self.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         self.compressor: Compressor | None = None
         if self.ratio == 4:
@@ -90,12 +93,10 @@ class Dsv4Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The block's output `[T, hidden]`: the batch's attention (over the caches, or the paged
-        decode step), then the grouped output projection, through the batch's ops; summed over the
-        ranks."""
+        decode step), then the grouped output projection; summed over the ranks."""
         out = batch.attend(self, x)  # [T, H, D], RoPE undone
-        ops = batch.ops
-        grouped = ops.grouped_linear(self.o_a_proj, out.reshape(len(x), self.o_groups, -1))
-        return self.parallel.all_reduce(ops.linear(self.o_b_proj, grouped))
+        grouped = self.o_a_proj(out.reshape(len(x), self.o_groups, -1))
+        return self.parallel.all_reduce(self.o_b_proj(grouped))
 
     def extend_attention(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attention `[T, H, D]` of an extend batch (RoPE undone): per request, over its SeqCache."""

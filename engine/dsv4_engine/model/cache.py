@@ -2,8 +2,9 @@
 
 The model's math reads and writes state only through `SeqCache`, addressed by absolute
 token position (SWA rows, compressor state rows) or compressed-row index. The engine's backend is
-paged (`memory.seq_cache.PagedSeqCache`, SGLang design A: `req_to_token` tables for swa/c4/c128
-and c4/c128 state pools), translating positions through its tables without touching the model;
+paged (`attention.paged_extend.PagedSeqCache`, SGLang design A: `req_to_token` tables for
+swa/c4/c128 and c4/c128 state pools), translating positions through the step's attention metadata,
+built from those tables and the allocator's out-cache locations, without touching the model;
 `dsv4_engine.testing.DenseSeqCache` backs it with dense per-request tensors, the reference the
 tests and benchmarks hold the paged one to.
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.model.batch import SeqSlice
-from dsv4_engine.model.ops import RMSNorm, stable_topk
+from dsv4_engine.model.ops import Linear, RMSNorm, stable_topk
 from dsv4_engine.rope import RopeTable, rotate_
 
 
@@ -30,8 +30,8 @@ class Compressor(nn.Module):
         self.coff = 2 if ratio == 4 else 1  # overlap at ratio 4
         self.name = name  # state key in the cache ("compressor" or "indexer")
         width = self.coff * head_dim
-        self.kv_proj = nn.Linear(config.hidden_size, width, bias=False)
-        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.kv_proj = Linear(config.hidden_size, width, bias=False)
+        self.gate_proj = Linear(config.hidden_size, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width))
         self.kv_norm = RMSNorm(head_dim, config.rms_norm_eps)
         object.__setattr__(self, "rope", rope)  # shared table, owned by the model's registry
@@ -89,7 +89,7 @@ class Compressor(nn.Module):
 class IndexerScorer(nn.Module):
     def __init__(self, config: Dsv4Config) -> None:
         super().__init__()
-        self.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
+        self.weights_proj = Linear(config.hidden_size, config.index_n_heads, bias=False)
 
 
 class Indexer(Compressor):
@@ -102,7 +102,7 @@ class Indexer(Compressor):
         self.topk = config.index_topk
         self.softmax_scale = config.index_head_dim**-0.5
         self.weights_scaling = config.index_n_heads**-0.5
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.scorer = IndexerScorer(config)
 
     def queries(

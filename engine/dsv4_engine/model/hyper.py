@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4_engine import kernels
 from dsv4_engine.config import Dsv4Config
-from dsv4_engine.model.ops import unweighted_rms_norm
+from dsv4_engine.model.ops import KernelChoice, unweighted_rms_norm
 
 
 def stream_mixes(streams: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,7 +31,7 @@ def stream_mixes(streams: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return F.linear(x, weight.float()) * torch.rsqrt(sum_sq / x.shape[-1] + eps)
 
 
-class HyperConnection(nn.Module):
+class HyperConnection(nn.Module, KernelChoice):
     def __init__(self, config: Dsv4Config) -> None:
         super().__init__()
         self.n = config.hc_mult
@@ -65,12 +64,27 @@ class HyperConnection(nn.Module):
         """(post [T, N], comb [T, N, N], collapsed [T, D]) for streams `[T, N, D]`.
 
         On CPU `dsv4::hc_pre` computes `reference` in one call: its Sinkhorn is ~80 small ops, about
-        half of this map's time in a prefill of a thousand tokens (tests/decode/test_kernels.py)."""
-        if kernels.use_for(streams.device):
+        half of this map's time in a prefill of a thousand tokens (tests/decode/test_kernels.py); a
+        compiler fuses `reference` itself."""
+        if self.kernel_for(streams, loops=False):  # the kernel takes BLAS for many rows itself
             return torch.ops.dsv4.hc_pre(
                 streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps
             )
         return self.reference(streams)
+
+    def expand(
+        self,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        out: torch.Tensor,
+        streams: torch.Tensor,
+        into: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The new streams after the sub-block (module-level `expand`), as `dsv4::hc_post` on CPU for up to
+        `LOOP_ROWS` fp32 rows; under a compiler into a fresh tensor (`into` is for eager large buffers)."""
+        if self.kernel_for(streams):
+            return torch.ops.dsv4.hc_post(post, comb, out, streams)
+        return expand(post, comb, out, streams, into=None if torch.compiler.is_compiling() else into)
 
     def reference(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`forward` in torch ops: the definition the kernel is tested against."""

@@ -3,17 +3,16 @@ MoE) -> head collapse -> norm -> lm_head. Module paths equal HF's state-dict nam
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
+from dsv4_engine import kernels
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.model.attention import Dsv4Attention
-from dsv4_engine.model.batch import EXTEND_OPS, StepBatch
+from dsv4_engine.model.batch import StepBatch
 from dsv4_engine.model.hyper import HyperConnection, HyperHead
 from dsv4_engine.model.moe import MoE
-from dsv4_engine.model.ops import RMSNorm
+from dsv4_engine.model.ops import KernelChoice, Linear, RMSNorm
 from dsv4_engine.parallel.groups import SINGLE, Parallel
 from dsv4_engine.rope import RopeRegistry
 
@@ -51,16 +50,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, batch: StepBatch, spare: torch.Tensor) -> torch.Tensor:
         """New streams; `spare` (streams' shape) takes the streams between attention and MoE and
-        `streams` the result, overwritten once dead (where the batch's ops write in place). Fresh
-        buffers this size can cost more in page faults than the arithmetic that fills them (small
-        preset, 2048 tokens: 9 ms against 1.5 ms)."""
-        ops = batch.ops
-        post, comb, collapsed = ops.hc_pre(self.attn_hc, streams)
-        out = self.self_attn(ops.norm(self.input_layernorm, collapsed), batch)
-        mid = ops.hc_post(post, comb, out, streams, into=spare)
-        post, comb, collapsed = ops.hc_pre(self.ffn_hc, mid)
-        out = self.mlp(ops.norm(self.post_attention_layernorm, collapsed), batch)
-        return ops.hc_post(post, comb, out, mid, into=streams)
+        `streams` the result, overwritten once dead (where `HyperConnection.expand` writes in place).
+        Fresh buffers this size can cost more in page faults than the arithmetic that fills them
+        (small preset, 2048 tokens: 9 ms against 1.5 ms)."""
+        post, comb, collapsed = self.attn_hc(streams)
+        out = self.self_attn(self.input_layernorm(collapsed), batch)
+        mid = self.attn_hc.expand(post, comb, out, streams, into=spare)
+        post, comb, collapsed = self.ffn_hc(mid)
+        out = self.mlp(self.post_attention_layernorm(collapsed), batch)
+        return self.ffn_hc.expand(post, comb, out, mid, into=streams)
 
 
 class Dsv4Model(nn.Module):
@@ -88,7 +86,7 @@ class Dsv4Model(nn.Module):
         for layer in self.layers:
             streams = layer(streams, batch, spare)
         batch.advance()
-        return batch.ops.norm(self.norm, self.hc_head(streams))
+        return self.norm(self.hc_head(streams))
 
 
 class Dsv4ForCausalLM(nn.Module):
@@ -102,7 +100,7 @@ class Dsv4ForCausalLM(nn.Module):
         self.config = config
         self.parallel = parallel
         self.model = Dsv4Model(config, max_positions or config.max_position_embeddings, parallel)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -125,6 +123,24 @@ class Dsv4ForCausalLM(nn.Module):
     def forward(self, batch: StepBatch) -> torch.Tensor:
         return self.model(batch)
 
-    def compute_logits(self, hidden: torch.Tensor, ops: Any = EXTEND_OPS) -> torch.Tensor:
-        """fp32 logits; `ops`: the step's (the decode kernel set projects a few rows faster)."""
-        return ops.linear(self.lm_head, hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits."""
+        return self.lm_head(hidden).float()
+
+    def use_kernels(self, enabled: bool | None) -> bool:
+        """Fix every module's kernel choice (`model.ops.KernelChoice`): the fused CPU kernels where
+        they are built and the model is on CPU, never with False; None: decided per call again.
+        Returns whether the modules now use them."""
+        on = None if enabled is None else bool(enabled) and kernels.use_for(self.device)
+        for m in self.modules():
+            if isinstance(m, KernelChoice):
+                m.use_kernels = on
+        return kernels.use_for(self.device) if on is None else on
+
+    def kernels_fixed(self) -> bool:
+        """The modules' fixed kernel choice, or where none is fixed yet, whether kernels serve the
+        model's device."""
+        fixed = {m.use_kernels for m in self.modules() if isinstance(m, KernelChoice)}
+        if fixed == {None}:
+            return kernels.use_for(self.device)
+        return fixed == {True}

@@ -20,19 +20,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4_engine import kernels
 from dsv4_engine.config import HASH_MOE, Dsv4Config
+from dsv4_engine.model.ops import KernelChoice, Linear
 from dsv4_engine.parallel.groups import SINGLE, Parallel
 
 if TYPE_CHECKING:
     from dsv4_engine.model.batch import StepBatch
+    from dsv4_engine.model.packed import Packed
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-class Router(nn.Module):
+class Router(nn.Module, KernelChoice):
     """Score-based (`e_score_correction_bias`) or hash (`tid2eid`) routing; names as HF's."""
 
     def __init__(self, config: Dsv4Config, is_hash: bool) -> None:
@@ -47,7 +48,12 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k], expert ids [T, k])."""
+        """(weights [T, k], expert ids [T, k]); on CPU, for up to `LOOP_ROWS` fp32 rows, as `dsv4::route`."""
+        if self.kernel_for(x):
+            table = self.tid2eid if self.is_hash else self.e_score_correction_bias
+            return torch.ops.dsv4.route(
+                x, input_ids, self.weight, table, self.is_hash, self.top_k, self.scaling
+            )
         scores = F.softplus(F.linear(x, self.weight)).sqrt()
         if self.is_hash:
             ids = self.tid2eid.index_select(0, input_ids).long()
@@ -58,7 +64,7 @@ class Router(nn.Module):
         return weights * self.scaling, ids
 
 
-class Experts(nn.Module):
+class Experts(nn.Module, KernelChoice):
     """Routed experts as 3-D tensors: `gate_up_proj [E, 2I, D]` (gate rows first), `down_proj [E, D, I]`;
     on several ranks E and I are this rank's (`first_expert` the global id of local expert 0)."""
 
@@ -94,15 +100,50 @@ class Experts(nn.Module):
             return torch.where(here, local, 0), weights * here
         return torch.where(here, local, -1), weights
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, static: bool = False
+    ) -> torch.Tensor:
         """Routed experts' weighted sum `[T, D]` (over this rank's experts) for global `ids`. On CPU
         `dsv4::moe_experts` runs `reference` without its gather and scatter passes (a tenth of a
         prefill's expert time), and with its own GEMM for experts of a few rows (a decode step's);
-        tests/decode/test_kernels.py holds it to `reference`."""
-        ids, weights = self.localise(ids, weights)
-        if kernels.use_for(x.device):
+        tests/decode/test_kernels.py holds it to `reference`. It stays under a compiler: it reads
+        only the picked experts' weights, which nothing the compiler makes of the gathers does.
+        static: no host reads and a fixed output shape (a compiled or captured step): `static_forms`."""
+        if self.kernel_for(x, opaque=True, loops=False):
+            ids, weights = self.localise(ids, weights)
             return torch.ops.dsv4.moe_experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.limit)
-        return self._reference(x, weights, ids)
+        if static:
+            return self.static_forms(x, weights, ids)
+        return self.reference(x, weights, ids)
+
+    def static_forms(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`reference` with a static output shape and no host reads: gathered expert weights while
+        B*k < E (one batched GEMV per slot under a compiler, its best form there), else every expert
+        densely."""
+        bsz, k = ids.shape
+        ids, weights = self.localise(ids, weights, dense=True)
+        if bsz * k < self.num_experts and torch.compiler.is_compiling():
+            routed = x.new_zeros(())
+            for slot in range(k):
+                picked = ids[:, slot]
+                h = torch.bmm(self.gate_up_proj[picked], x[:, :, None]).squeeze(-1)  # [B, 2I]
+                gate, up = h.chunk(2, dim=-1)
+                y = torch.bmm(self.down_proj[picked], swiglu(gate, up, self.limit)[:, :, None]).squeeze(-1)
+                routed = routed + y * weights[:, slot, None].to(y.dtype)
+        elif bsz * k < self.num_experts:  # read only the picked experts' weights
+            h = torch.matmul(self.gate_up_proj[ids], x[:, None, :, None]).squeeze(-1)  # [B, k, 2I]
+            gate, up = h.chunk(2, dim=-1)
+            y = torch.matmul(self.down_proj[ids], swiglu(gate, up, self.limit)[..., None]).squeeze(-1)
+            routed = (y * weights[..., None].to(y.dtype)).sum(dim=1)
+        else:  # many rows: one GEMM for every expert's gate/up, one batched GEMM down
+            h = F.linear(x, self.gate_up_proj.flatten(0, 1)).view(bsz, self.num_experts, -1)  # [B, E, 2I]
+            gate, up = h.chunk(2, dim=-1)
+            act = swiglu(gate, up, self.limit).transpose(0, 1)  # [E, B, I]
+            y = torch.bmm(act, self.down_proj.transpose(1, 2))  # [E, B, D]
+            dense = torch.zeros(bsz, self.num_experts, dtype=y.dtype, device=y.device)
+            dense = dense.scatter_add(1, ids, weights.to(y.dtype))
+            routed = torch.einsum("be,ebd->bd", dense, y)
+        return routed.to(x.dtype)
 
     def reference(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`forward` in torch: dispatch by expert, the (token, expert) pairs sorted by expert and
@@ -140,18 +181,24 @@ def _swiglu_(h: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp_(max=limit), inplace=True).mul_(up.clamp_(min=-limit, max=limit))
 
 
-class SharedExpert(nn.Module):
+class SharedExpert(nn.Module, KernelChoice):
     def __init__(self, config: Dsv4Config, parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.limit = config.swiglu_limit
         inter = parallel.split(config.moe_intermediate_size, "moe_intermediate_size")
         hidden = config.hidden_size
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.combine(self.gate_proj(x), self.up_proj(x))
+    def forward(self, x: torch.Tensor, pack: Packed | None = None) -> torch.Tensor:
+        """pack: the gate and up projections as one GEMM (`model.packed`, the decode step's); on CPU
+        then the whole expert as `dsv4::shared_expert`, which stays under a compiler too."""
+        if pack is None:
+            return self.combine(self.gate_proj(x), self.up_proj(x))
+        if self.kernel_for(x, opaque=True, loops=False):
+            return torch.ops.dsv4.shared_expert(x, pack.weight, self.down_proj.weight, self.limit)
+        return self.combine(*pack(x))
 
     def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The expert's output from its gate and up projections (the decode step packs those two)."""
@@ -168,8 +215,8 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(config, parallel)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Routed plus shared experts `[T, D]`, in the batch's form: the modules' own (extend) or a
-        static-shape decode form (`decode_ops.TorchOps.moe`); summed over the ranks."""
-        return self.parallel.all_reduce(
-            batch.ops.moe(self, x, batch.input_ids, batch.shared_pack(self.layer))
-        )
+        """Routed plus shared experts `[T, D]` (static-shape forms for a decode batch, whose step may
+        be compiled or captured); summed over the ranks."""
+        weights, ids = self.gate(x, batch.input_ids)
+        routed = self.experts(x, weights, ids, static=batch.static)
+        return self.parallel.all_reduce(routed.add_(self.shared_experts(x, batch.shared_pack(self.layer))))

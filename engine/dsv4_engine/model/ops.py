@@ -1,12 +1,63 @@
-"""Small numeric helpers shared by the model's modules."""
+"""Small numeric helpers shared by the model's modules, and how a module picks its kernel.
+
+Every module that has a fused `dsv4::` CPU kernel (`dsv4_engine.kernels`) decides itself, per call,
+whether to run it (`KernelChoice.kernel_for`): by device (CPU only), by shape and dtype (the
+single-threaded fp32 loops only up to `LOOP_ROWS` tokens; the kernels with a GEMM inside pick BLAS
+for many rows themselves) and by context. Under a compiler only the kernels that do less work than anything it
+generates stay (projections, experts, compressors: `opaque=True`); the rest are its to fuse. The
+model's one switch, `Dsv4ForCausalLM.use_kernels`, sets every module's `use_kernels`.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from dsv4_engine import kernels
 
-class RMSNorm(nn.Module):
+# The largest decode batch (attention.decode_buffers.DEFAULT_BUCKETS): up to it the one-dispatch loops
+# win (a step pays ~5-10 us per dispatched op); past it, a prefill's rows, the multi-threaded aten forms.
+LOOP_ROWS = 256
+
+
+class KernelChoice:
+    """Mixin of modules that may run a `dsv4::` kernel. `use_kernels` None: whenever the kernels are
+    built and the tensor is on CPU (decided per call); True / False: fixed for the model (the engine's
+    `EngineConfig.kernels`, through `Dsv4ForCausalLM.use_kernels`), so traced code reads a constant."""
+
+    use_kernels: bool | None = None
+
+    def kernel_for(self, x: torch.Tensor, *, opaque: bool = False, loops: bool = True) -> bool:
+        """Whether this call on `x` (tokens first) runs the kernel. opaque: the kernel stays under a
+        compiler too. loops: the kernel is fp32 loops on one thread, for fp32 `x` of at most
+        `LOOP_ROWS` tokens (other dtypes keep torch's op order, which HF's bf16 rounding follows);
+        False: the kernel picks BLAS and the op order for other sizes and dtypes itself. Called a few
+        hundred times a decode step: the cheap tests first."""
+        use = self.use_kernels
+        if use is False:
+            return False
+        if loops and (x.shape[0] > LOOP_ROWS or x.dtype != torch.float32):
+            return False
+        if torch.compiler.is_compiling():  # a fixed choice: nothing of the build state is traced
+            return opaque and (x.is_cpu if use else kernels.use_for(x.device))
+        if use is None:
+            return kernels.use_for(x.device)
+        # available(): `kernels.disabled()` (FLOP counting) reaches a model whose choice is fixed too
+        return x.is_cpu and kernels.available()
+
+
+class Linear(nn.Linear, KernelChoice):
+    """`nn.Linear` that runs `dsv4::linear` on CPU (a skinny GEMM streaming the weight once below
+    32 rows, where MKL runs at about half the bandwidth; `at::linear` from there on)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None and self.kernel_for(x, opaque=True, loops=False):
+            return torch.ops.dsv4.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module, KernelChoice):
     """RMSNorm computed in fp32; the weight is kept in fp32 and the result cast to the input dtype."""
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -15,13 +66,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_for(x):
+            return torch.ops.dsv4.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.mul_(self.weight).to(x.dtype)  # in place on the fresh product: one buffer fewer
 
 
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS normalisation without a weight; the scale is computed in fp32, applied in x's dtype."""
+def unweighted_rms_norm(x: torch.Tensor, eps: float, kernel: bool = False) -> torch.Tensor:
+    """RMS normalisation without a weight; the scale is computed in fp32, applied in x's dtype.
+    kernel: as `dsv4::rms_norm` (the caller's `KernelChoice.kernel_for`)."""
+    if kernel:
+        return torch.ops.dsv4.rms_norm(x, None, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 

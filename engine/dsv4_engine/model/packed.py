@@ -22,8 +22,11 @@ class Packed:
     weight: torch.Tensor  # [sum of outputs, in]
     sizes: tuple[int, ...]
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight).split(self.sizes, dim=-1)
+    def __call__(self, x: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, ...]:
+        """The projections of x; kernel: the GEMM as `dsv4::linear` (the caller's
+        `KernelChoice.kernel_for`)."""
+        y = torch.ops.dsv4.linear(x, self.weight) if kernel else F.linear(x, self.weight)
+        return y.split(self.sizes, dim=-1)
 
 
 def _still_packed(pack: Packed, linears: list[nn.Linear]) -> bool:
