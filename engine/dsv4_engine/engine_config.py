@@ -7,8 +7,9 @@ then read their part from the result (`scheduler_config`, `runner_options`, the 
 `engine.plan_sizes`) instead of each taking its own copy of the numbers.
 
 `kernels` says whether this engine uses the fused CPU kernels (`dsv4_engine.kernels`; default: on
-unless `DSV4_KERNELS=0`): the runner hands it to both kinds of step, the extend batch's ops and the
-decode graph runner, so two engines in one process may differ. Without a C++ compiler (or with
+unless `DSV4_KERNELS=0`): the runner fixes its model's modules' choice with it
+(`Dsv4ForCausalLM.use_kernels`, `model.ops.KernelChoice`) and picks the decode attention backend by
+it, so every kind of step follows it and two engines in one process may differ. Without a C++ compiler (or with
 `DSV4_KERNELS=0`, which also keeps them from being built) they are off whatever it says.
 """
 

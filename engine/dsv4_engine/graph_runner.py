@@ -144,8 +144,7 @@ class DecodeGraphRunner:
             for bs, t in getattr(self, name).items():
                 out[f"{name}.{bs}"] = t
         for bs, locs in self.locs.items():
-            for name, t in locs.tensors().items():
-                out[f"locs.{bs}.{name}"] = t
+            out[f"locs.{bs}"] = locs.slots
         for name in ("req_to_token", *self.req_pool.DSV4_TABLES):
             out[f"table.{name}"] = getattr(self.req_pool, name)
         for bs in self.buckets:
@@ -183,7 +182,7 @@ class DecodeGraphRunner:
                 (self.input_ids[bs], ids),
             ):
                 dst.copy_(src)
-            self.locs[bs].copy_(locs)
+            self.locs[bs].slots.copy_(locs.slots)
         return bs
 
     def run(
@@ -213,8 +212,7 @@ class DecodeGraphRunner:
         self.num_pages.pop(bs, None)
         for name in ("input_ids", "req", "pos", "valid"):
             getattr(self, name)[bs].zero_()  # all rows padding
-        for t in self.locs[bs].tensors().values():
-            t.zero_()
+        self.locs[bs].slots.zero_()
 
     # ---- modes ----------------------------------------------------------------------------------
     def _eager_fn(self, bs: int) -> Callable[[], torch.Tensor]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 
 import torch
 
@@ -23,27 +22,22 @@ from .metadata import AttentionMetadata, CompressMetadata
 I64 = torch.int64
 
 
-@dataclass
 class DecodeLocs:
-    """Where each row of a decode step writes (`[bucket]` int64; 0, the sentinel slot, where it writes
-    nothing): its SWA row, and per ratio its completed block's row and its state row."""
+    """Where each row of a decode step writes, one int64 slot per row (0, the sentinel slot, where it
+    writes nothing): its SWA row, and per ratio its completed block's row and its state row. One
+    `[5, bucket]` tensor (`slots`, one host copy a step), its rows named by `KINDS`."""
 
-    swa: torch.Tensor
-    c4: torch.Tensor
-    c4_state: torch.Tensor
-    c128: torch.Tensor
-    c128_state: torch.Tensor
+    KINDS = ("swa", "c4", "c4_state", "c128", "c128_state")
+
+    def __init__(self, slots: torch.Tensor) -> None:
+        if slots.dim() != 2 or slots.shape[0] != len(self.KINDS):
+            raise ValueError(f"DecodeLocs holds {len(self.KINDS)} rows of slots, got {tuple(slots.shape)}")
+        self.slots = slots
+        self.swa, self.c4, self.c4_state, self.c128, self.c128_state = slots.unbind(0)
 
     @classmethod
     def zeros(cls, bucket: int, device: torch.device | str = "cpu") -> DecodeLocs:
-        return cls(*(torch.zeros(bucket, dtype=I64, device=device) for _ in fields(cls)))
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def copy_(self, other: DecodeLocs) -> None:
-        for name, t in self.tensors().items():
-            t.copy_(getattr(other, name))
+        return cls(torch.zeros(len(cls.KINDS), bucket, dtype=I64, device=device))
 
     @classmethod
     def of(cls, bundle: DSV4OutCacheLoc, bucket: int) -> DecodeLocs:
@@ -52,20 +46,20 @@ class DecodeLocs:
         n = len(bundle.extend_counts)
         if bundle.extend_counts != [1] * n:
             raise ValueError("a decode step's bundle has one new token per request")
-
-        def per_row(values: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        pad = [0] * (bucket - n)
+        rows: list[int] = []
+        for values, counts in (
+            (bundle.out_swa_loc, bundle.extend_counts),
+            (bundle.out_c4_loc, bundle.c4_counts),
+            (bundle.out_c4_state_loc, bundle.c4_state_counts),
+            (bundle.out_c128_loc, bundle.c128_counts),
+            (bundle.out_c128_state_loc, bundle.c128_state_counts),
+        ):
             if any(c > 1 for c in counts) or sum(counts) != values.numel():
                 raise ValueError(f"a decode step writes at most one slot of a kind per row, got {counts}")
             it = iter(values.tolist())
-            return torch.tensor([next(it) if c else 0 for c in counts] + [0] * (bucket - n), dtype=I64)
-
-        return cls(
-            swa=per_row(bundle.out_swa_loc, bundle.extend_counts),
-            c4=per_row(bundle.out_c4_loc, bundle.c4_counts),
-            c4_state=per_row(bundle.out_c4_state_loc, bundle.c4_state_counts),
-            c128=per_row(bundle.out_c128_loc, bundle.c128_counts),
-            c128_state=per_row(bundle.out_c128_state_loc, bundle.c128_state_counts),
-        )
+            rows += [next(it) if c else 0 for c in counts] + pad
+        return cls(torch.tensor(rows, dtype=I64).view(len(cls.KINDS), bucket))
 
 
 def _put(dst: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, pad: int = 0) -> None:

@@ -13,8 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.compiler import is_compiling
 
 from dsv4_engine import kernels
+
+_FP32 = torch.float32
 
 # The largest decode batch (attention.decode_buffers.DEFAULT_BUCKETS): up to it the one-dispatch loops
 # win (a step pays ~5-10 us per dispatched op); past it, a prefill's rows, the multi-threaded aten forms.
@@ -37,9 +40,9 @@ class KernelChoice:
         use = self.use_kernels
         if use is False:
             return False
-        if loops and (x.shape[0] > LOOP_ROWS or x.dtype != torch.float32):
+        if loops and (x.dtype is not _FP32 or x.shape[0] > LOOP_ROWS):
             return False
-        if torch.compiler.is_compiling():  # a fixed choice: nothing of the build state is traced
+        if is_compiling():  # a fixed choice: nothing of the build state is traced
             return opaque and (x.is_cpu if use else kernels.use_for(x.device))
         if use is None:
             return kernels.use_for(x.device)
