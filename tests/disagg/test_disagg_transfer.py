@@ -234,6 +234,29 @@ def test_an_entry_that_never_ends_is_abandoned_at_the_deadline_and_a_later_failu
         scripted(engine, timeout_s=0.05).write("peer:1", Entries.one(1, 2, 8))
 
 
+def test_a_write_whose_own_process_stalled_past_the_deadline_still_lands(monkeypatch) -> None:
+    """A prefill stopped mid-write (SIGSTOP, or starved) and resumed: the time it did not run is not
+    the peer's, so its entries are waited for, not abandoned (the late write must land)."""
+    import time
+
+    from dsv4_engine.disagg import transfer
+
+    monkeypatch.setattr(transfer, "STALL_SECONDS", 0.1)
+    engine = ScriptedEngine([1], polls=2)
+    check = engine.transfer_check_status
+    stalled: list[int] = []
+
+    def stall_once(batch: int) -> int:
+        if not stalled:  # the caller does not run for 0.3 s, past the 0.05 s deadline
+            stalled.append(batch)
+            time.sleep(0.3)
+        return check(batch)
+
+    engine.transfer_check_status = stall_once  # type: ignore[method-assign]
+    scripted(engine, timeout_s=0.05).write("peer:1", Entries.one(1, 2, 8))
+    assert stalled and not engine.left  # it landed, and its batch ended
+
+
 # ---- hostnames, env, imports -------------------------------------------------------------------
 
 

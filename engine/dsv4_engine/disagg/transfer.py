@@ -39,6 +39,9 @@ DEFAULT_MAX_ENTRIES = 1024
 # 1.05-1.23 ms polled against 1.21-1.46 ms synchronous (p90 1.7 against 3.0 ms); with another job
 # on the machine, 2.0 against 3.9 ms (the sync caller burnt 2.1 ms of CPU, the poller 0.14).
 POLL_SECONDS = 50e-6  # ~0.1 ms between polls with Linux's 50 us timer slack; a 4 KiB write ~70 us
+# A gap this long between two polls means this process was not running: it does not count against
+# the deadline (a prefill stopped mid-write must still land its write once it resumes).
+STALL_SECONDS = 0.5
 
 # Set before the engine exists, only where the user has not (TcpTransport reads them when created;
 # the slice size once per process). bench/pd_transfer.py, small preset, one 4096-token request
@@ -461,11 +464,19 @@ class _Flight:
         """Until at most `leave` entries are pending (oldest first: the lanes serve them in order).
         Past the deadline the rest are abandoned, never freed: Mooncake may still read their
         sources, and freeing a batch it still uses is what its own timeout does wrong."""
-        deadline = time.monotonic() + self.timeout_s + sum(n for _, n in self.pending) * 1e-9
+        last = time.monotonic()
+        deadline = last + self.timeout_s + sum(n for _, n in self.pending) * 1e-9
         while len(self.pending) > leave:
             status = self.engine.transfer_check_status(self.pending[0][0])
             if status == 0:  # still on the wire
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now - last > STALL_SECONDS:
+                    # This process did not run meanwhile (stopped, as SIGSTOP does, or starved): the
+                    # peer is not to blame for that time, and the TCP threads that were stopped with
+                    # us need a moment to move the bytes. Only time spent waiting counts.
+                    deadline += now - last
+                last = now
+                if now > deadline:
                     self._abandon()
                     return
                 time.sleep(POLL_SECONDS)
