@@ -342,3 +342,32 @@ def test_projection_kernels_equal_torch(model, rows: int) -> None:
     o_a = model.model.layers[0].self_attn.o_a_proj
     grouped = torch.randn(rows, o_a.groups, o_a.in_features, generator=g)
     _close(*_both(o_a, lambda m: m(grouped)))
+
+
+def test_the_direct_bindings_take_each_ops_schema_arguments_and_results() -> None:
+    """`kernels.bound()` (what eager modules call) binds the same C++ function as each registered op
+    under the schema's argument names, and gives the op's result; under a dispatch mode it is the
+    ops themselves, so the mode sees every call."""
+    import re
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    module = kernels.bound()
+    names = [n for n in dir(module) if not n.startswith("_")]
+    assert {"rms_norm", "linear", "moe_experts", "paged_attention", "compress_decode"} <= set(names)
+    for name in names:
+        schema = getattr(torch.ops.dsv4, name).default._schema
+        doc = getattr(module, name).__doc__.splitlines()[0]  # pybind's "name(a: T, b: T) -> R"
+        params = re.findall(r"(\w+): ", doc[: doc.rindex(") ->")])
+        assert params == [a.name for a in schema.arguments], (name, doc, str(schema))
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    assert torch.equal(module.linear(x, w), torch.ops.dsv4.linear(x, w))
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        assert kernels.bound() is torch.ops.dsv4
+    with kernels.disabled():
+        assert kernels.bound() is None

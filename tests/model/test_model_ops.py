@@ -56,3 +56,30 @@ def test_correction_bias_steers_selection_not_weights(checkpoints) -> None:
     scores = torch.nn.functional.softplus(x @ router.weight.T).sqrt()
     picked = scores.gather(1, ids)
     assert torch.allclose(weights, picked / picked.sum(1, keepdim=True) * cfg.routed_scaling_factor)
+
+
+def test_a_model_module_calls_forward_directly_yet_runs_every_kind_of_hook() -> None:
+    """`model.ops.Module` skips `nn.Module.__call__` only while nothing needs it: forward hooks,
+    pre-hooks (which may replace the input), global hooks and `Module.compile()` still take effect."""
+    import torch.nn.modules.module as torch_module
+
+    from dsv4_engine.model.ops import Module, RMSNorm
+
+    norm = RMSNorm(8, 1e-6)
+    assert isinstance(norm, Module)
+    x = torch.randn(3, 8)
+    assert torch.equal(norm(x), norm.forward(x))
+    calls: list[str] = []
+    pre = norm.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    post = norm.register_forward_hook(lambda m, args, out: calls.append("post"))
+    assert torch.equal(norm(x), norm.forward(x * 2)) and calls == ["post"]
+    pre.remove()
+    post.remove()
+    handle = torch_module.register_module_forward_hook(lambda m, args, out: calls.append("global"))
+    try:
+        norm(x)
+    finally:
+        handle.remove()
+    assert calls == ["post", "global"]
+    norm(x)
+    assert calls == ["post", "global"]  # removed hooks no longer run

@@ -11,8 +11,11 @@ kernels are fp32 loops: other dtypes take the torch forms.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from .. import kernels
 from ..model.attention import Dsv4Attention
 from ..model.compressor import Compressor, Indexer
 from . import paged_decode
@@ -48,16 +51,16 @@ class CpuKernelAttention(TorchAttention):
     def masked_put(
         self, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
     ) -> None:
-        if torch.compiler.is_compiling():
+        if (k := _eager()) is None:
             return super().masked_put(pool, slots, rows, mask)
-        torch.ops.dsv4.masked_put(pool, slots, rows, mask)
+        k.masked_put(pool, slots, rows, mask)
 
     def attend(
         self, attn: Dsv4Attention, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor
     ) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        if (k := _eager()) is None:
             return super().attend(attn, q, keys, bias)
-        return torch.ops.dsv4.sink_attention(q, keys, bias, attn.sinks, attn.scaling)
+        return k.sink_attention(q, keys, bias, attn.sinks, attn.scaling)
 
     def compress(
         self,
@@ -72,9 +75,10 @@ class CpuKernelAttention(TorchAttention):
     ) -> None:
         cos, sin = comp.rope.tables()
         norm = comp.kv_norm
-        if not _fp32(kv, gate, state, rows, comp.position_bias, cos, norm.weight):
+        k = kernels.ops()  # kept under a compiler too (see the module's docstring)
+        if k is None or not _fp32(kv, gate, state, rows, comp.position_bias, cos, norm.weight):
             return super().compress(comp, kv, gate, positions, cm, state, rows, sparse)
-        torch.ops.dsv4.compress_decode(
+        k.compress_decode(
             kv, gate, comp.position_bias, positions, cm.state_write_mask, cm.state_write_loc,
             cm.state_read_start, cm.state_read_slots, cm.block_mask, cm.block_loc, cm.block_positions,
             cos, sin, norm.weight, norm.eps, state, rows,
@@ -90,9 +94,9 @@ class CpuKernelAttention(TorchAttention):
         visible: torch.Tensor,
         page_size: int,
     ) -> torch.Tensor:
-        if torch.compiler.is_compiling() or not _fp32(q, weights, keys):
+        if (k := _eager()) is None or not _fp32(q, weights, keys):
             return super().index_topk(indexer, q, weights, keys, page_table, visible, page_size)
-        return torch.ops.dsv4.index_topk(
+        return k.index_topk(
             q, weights, keys, page_table, visible, indexer.ratio, page_size, indexer.softmax_scale, indexer.topk
         )  # fmt: skip
 
@@ -108,14 +112,19 @@ class CpuKernelAttention(TorchAttention):
         visible: torch.Tensor | None,
         page_size: int,
     ) -> torch.Tensor:
-        if torch.compiler.is_compiling() or not _fp32(
-            q, swa, attn.sinks, *([comp] if comp is not None else [])
-        ):
+        if (k := _eager()) is None or not _fp32(q, swa, attn.sinks, comp):
             return super().paged_attend(attn, q, swa, swa_slots, comp, page_table, rows, visible, page_size)
-        return torch.ops.dsv4.paged_attention(
+        return k.paged_attention(
             q, swa, swa_slots, comp, page_table, rows, visible, attn.ratio, page_size, attn.sinks, attn.scaling
         )  # fmt: skip
 
 
-def _fp32(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 for t in tensors)
+def _eager() -> Any:
+    """The kernels' direct bindings where this call runs eagerly (None under a compiler, which fuses
+    the torch forms, or inside `kernels.disabled()`)."""
+    return None if torch.compiler.is_compiling() else kernels.bound()
+
+
+def _fp32(*tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor given (None: absent) is fp32, the kernels' one dtype."""
+    return all(t is None or t.dtype is torch.float32 for t in tensors)

@@ -261,14 +261,14 @@ def paged_decode_attention(
     block pooling runs only for rows that complete a block (host reads; see `compress_decode`)."""
     layer, bsz = attn.layer, x.shape[0]
     if packed is not None:
-        projected = packed(x, kernel=attn.kernel_for(x, opaque=True, loops=False))
+        projected = packed(x, attn.kernel_for(x, opaque=True, loops=False))
     else:
         projected = [m(x) for m in attention_inputs(attn)]
-    loops = attn.kernel_for(x)  # RoPE and the unit norm as one-dispatch kernels
+    loops = attn.kernel_for(x)  # RoPE and the unit norm as one-dispatch kernels, or None
     q_residual = attn.q_a_norm(projected[0])
     q = attn.q_b_proj(q_residual).view(bsz, attn.num_heads, attn.head_dim)
-    q = rotate_rows(unweighted_rms_norm(q, attn.eps, kernel=loops), cos, sin, kernel=loops)
-    kv = rotate_rows(attn.kv_norm(projected[1]), cos, sin, kernel=loops)
+    q = rotate_rows(unweighted_rms_norm(q, attn.eps, loops), cos, sin, kernels=loops)
+    kv = rotate_rows(attn.kv_norm(projected[1]), cos, sin, kernels=loops)
     backend.masked_put(pools.swa[layer], meta.out_swa_loc, kv, meta.seq_lens > 0)
 
     comp, comp_pool, rows, visible = attn.compressor, None, None, None
@@ -288,14 +288,14 @@ def paged_decode_attention(
                 indexer, idx_kv, idx_gate, meta.positions, cm, pools.c4_index_state[layer], index_pool, sparse
             )
             idx_q = indexer.q_b_proj(q_residual).view(bsz, indexer.num_heads, indexer.head_dim)
-            idx_q = rotate_rows(idx_q, cos, sin, kernel=loops)  # as Indexer.queries
+            idx_q = rotate_rows(idx_q, cos, sin, kernels=loops)  # as Indexer.queries
             idx_w = indexer.head_weights(idx_w)
             rows = backend.index_topk(indexer, idx_q, idx_w, index_pool, page_table, visible, pools.page_size)
 
     out = backend.paged_attend(
         attn, q, pools.swa[layer], meta.swa_slots, comp_pool, page_table, rows, visible, pools.page_size
     )
-    return rotate_rows(out, cos, sin, inverse=True, kernel=loops)  # undo RoPE carried by V
+    return rotate_rows(out, cos, sin, inverse=True, kernels=loops)  # undo RoPE carried by V
 
 
 def index_topk(

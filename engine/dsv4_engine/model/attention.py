@@ -17,7 +17,7 @@ from torch import nn
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.model.batch import ForwardBatch, SeqSlice, StepBatch
 from dsv4_engine.model.compressor import Compressor, Indexer
-from dsv4_engine.model.ops import KernelChoice, Linear, RMSNorm, unweighted_rms_norm_
+from dsv4_engine.model.ops import KernelChoice, Linear, Module, RMSNorm, unweighted_rms_norm_
 from dsv4_engine.parallel.groups import SINGLE, Parallel, local_o_groups
 from dsv4_engine.rope import RopeTable, rotate_
 
@@ -36,8 +36,8 @@ class GroupedLinear(Linear):
         self.groups = groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, G, in] -> [T, G*R]
-        if self.kernel_for(x, opaque=True, loops=False):
-            return torch.ops.dsv4.grouped_linear(x, self.weight)
+        if k := self.kernel_for(x, opaque=True, loops=False):
+            return k.grouped_linear(x, self.weight)
         w = self.weight.view(self.groups, -1, x.shape[-1])  # [G, R, in]
         return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
 
@@ -50,7 +50,7 @@ class CompressorWithIndexer(Compressor):
         self.indexer = Indexer(config, rope)
 
 
-class Dsv4Attention(nn.Module, KernelChoice):
+class Dsv4Attention(Module, KernelChoice):
     """On tp_size ranks each holds num_attention_heads / tp_size query heads, their sinks and their
     share of the output projections; the latent (one KV head), compressor and indexer are replicated,
     so every rank writes the same state and selects the same compressed rows."""

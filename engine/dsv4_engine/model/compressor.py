@@ -16,11 +16,11 @@ from torch import nn
 
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.model.batch import SeqSlice
-from dsv4_engine.model.ops import Linear, RMSNorm, stable_topk
+from dsv4_engine.model.ops import Linear, Module, RMSNorm, stable_topk
 from dsv4_engine.rope import RopeTable, rotate_
 
 
-class Compressor(nn.Module):
+class Compressor(Module):
     """Folds blocks of `ratio` tokens into compressed KV rows of width `head_dim`."""
 
     def __init__(self, config: Dsv4Config, ratio: int, head_dim: int, rope: RopeTable, name: str) -> None:
@@ -86,7 +86,7 @@ class Compressor(nn.Module):
         return torch.cat([prev_kv, cur_kv], dim=1), torch.cat([prev_score, cur_score], dim=1)
 
 
-class IndexerScorer(nn.Module):
+class IndexerScorer(Module):
     def __init__(self, config: Dsv4Config) -> None:
         super().__init__()
         self.weights_proj = Linear(config.hidden_size, config.index_n_heads, bias=False)

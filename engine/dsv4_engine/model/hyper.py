@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4_engine.config import Dsv4Config
-from dsv4_engine.model.ops import KernelChoice, unweighted_rms_norm
+from dsv4_engine.model.ops import KernelChoice, Module, unweighted_rms_norm
 
 
 def stream_mixes(streams: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,7 +31,7 @@ def stream_mixes(streams: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return F.linear(x, weight.float()) * torch.rsqrt(sum_sq / x.shape[-1] + eps)
 
 
-class HyperConnection(nn.Module, KernelChoice):
+class HyperConnection(Module, KernelChoice):
     def __init__(self, config: Dsv4Config) -> None:
         super().__init__()
         self.n = config.hc_mult
@@ -66,10 +66,8 @@ class HyperConnection(nn.Module, KernelChoice):
         On CPU `dsv4::hc_pre` computes `reference` in one call: its Sinkhorn is ~80 small ops, about
         half of this map's time in a prefill of a thousand tokens (tests/decode/test_kernels.py); a
         compiler fuses `reference` itself."""
-        if self.kernel_for(streams, loops=False):  # the kernel takes BLAS for many rows itself
-            return torch.ops.dsv4.hc_pre(
-                streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps
-            )
+        if k := self.kernel_for(streams, loops=False):  # the kernel takes BLAS for many rows itself
+            return k.hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
         return self.reference(streams)
 
     def expand(
@@ -82,8 +80,8 @@ class HyperConnection(nn.Module, KernelChoice):
     ) -> torch.Tensor:
         """The new streams after the sub-block (module-level `expand`), as `dsv4::hc_post` on CPU for up to
         `LOOP_ROWS` fp32 rows; under a compiler into a fresh tensor (`into` is for eager large buffers)."""
-        if self.kernel_for(streams):
-            return torch.ops.dsv4.hc_post(post, comb, out, streams)
+        if k := self.kernel_for(streams):
+            return k.hc_post(post, comb, out, streams)
         return expand(post, comb, out, streams, into=None if torch.compiler.is_compiling() else into)
 
     def reference(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,7 +113,7 @@ def expand(
     return spread.baddbmm_(comb.transpose(-1, -2), streams)  # in place: no third [T, N, D] buffer
 
 
-class HyperHead(nn.Module):
+class HyperHead(Module):
     """Final collapse of the streams before the model norm."""
 
     def __init__(self, config: Dsv4Config) -> None:

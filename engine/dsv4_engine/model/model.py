@@ -12,7 +12,7 @@ from dsv4_engine.model.attention import Dsv4Attention
 from dsv4_engine.model.batch import StepBatch
 from dsv4_engine.model.hyper import HyperConnection, HyperHead
 from dsv4_engine.model.moe import MoE
-from dsv4_engine.model.ops import KernelChoice, Linear, RMSNorm
+from dsv4_engine.model.ops import KernelChoice, Linear, Module, RMSNorm
 from dsv4_engine.parallel.groups import SINGLE, Parallel
 from dsv4_engine.rope import RopeRegistry
 
@@ -34,7 +34,7 @@ FP32_NAMES = (
 )
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Module):
     def __init__(
         self, config: Dsv4Config, layer: int, rope: RopeRegistry, parallel: Parallel = SINGLE
     ) -> None:
@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         return self.ffn_hc.expand(post, comb, out, mid, into=streams)
 
 
-class Dsv4Model(nn.Module):
+class Dsv4Model(Module):
     def __init__(self, config: Dsv4Config, max_positions: int, parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.config = config
@@ -89,7 +89,7 @@ class Dsv4Model(nn.Module):
         return self.norm(self.hc_head(streams))
 
 
-class Dsv4ForCausalLM(nn.Module):
+class Dsv4ForCausalLM(Module):
     """`parallel`: this rank's place among tp_size ranks (parallel/groups.py); its modules then hold
     that rank's shard, and the embedding, norms and lm_head are replicated."""
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4_engine.config import HASH_MOE, Dsv4Config
-from dsv4_engine.model.ops import KernelChoice, Linear
+from dsv4_engine.model.ops import KernelChoice, Linear, Module
 from dsv4_engine.parallel.groups import SINGLE, Parallel
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-class Router(nn.Module, KernelChoice):
+class Router(Module, KernelChoice):
     """Score-based (`e_score_correction_bias`) or hash (`tid2eid`) routing; names as HF's."""
 
     def __init__(self, config: Dsv4Config, is_hash: bool) -> None:
@@ -49,11 +49,9 @@ class Router(nn.Module, KernelChoice):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]); on CPU, for up to `LOOP_ROWS` fp32 rows, as `dsv4::route`."""
-        if self.kernel_for(x):
+        if k := self.kernel_for(x):
             table = self.tid2eid if self.is_hash else self.e_score_correction_bias
-            return torch.ops.dsv4.route(
-                x, input_ids, self.weight, table, self.is_hash, self.top_k, self.scaling
-            )
+            return k.route(x, input_ids, self.weight, table, self.is_hash, self.top_k, self.scaling)
         scores = F.softplus(F.linear(x, self.weight)).sqrt()
         if self.is_hash:
             ids = self.tid2eid.index_select(0, input_ids).long()
@@ -64,7 +62,7 @@ class Router(nn.Module, KernelChoice):
         return weights * self.scaling, ids
 
 
-class Experts(nn.Module, KernelChoice):
+class Experts(Module, KernelChoice):
     """Routed experts as 3-D tensors: `gate_up_proj [E, 2I, D]` (gate rows first), `down_proj [E, D, I]`;
     on several ranks E and I are this rank's (`first_expert` the global id of local expert 0)."""
 
@@ -109,9 +107,9 @@ class Experts(nn.Module, KernelChoice):
         tests/decode/test_kernels.py holds it to `reference`. It stays under a compiler: it reads
         only the picked experts' weights, which nothing the compiler makes of the gathers does.
         static: no host reads and a fixed output shape (a compiled or captured step): `static_forms`."""
-        if self.kernel_for(x, opaque=True, loops=False):
+        if k := self.kernel_for(x, opaque=True, loops=False):
             ids, weights = self.localise(ids, weights)
-            return torch.ops.dsv4.moe_experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.limit)
+            return k.moe_experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.limit)
         if static:
             return self.static_forms(x, weights, ids)
         return self.reference(x, weights, ids)
@@ -181,7 +179,7 @@ def _swiglu_(h: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp_(max=limit), inplace=True).mul_(up.clamp_(min=-limit, max=limit))
 
 
-class SharedExpert(nn.Module, KernelChoice):
+class SharedExpert(Module, KernelChoice):
     def __init__(self, config: Dsv4Config, parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.limit = config.swiglu_limit
@@ -196,8 +194,8 @@ class SharedExpert(nn.Module, KernelChoice):
         then the whole expert as `dsv4::shared_expert`, which stays under a compiler too."""
         if pack is None:
             return self.combine(self.gate_proj(x), self.up_proj(x))
-        if self.kernel_for(x, opaque=True, loops=False):
-            return torch.ops.dsv4.shared_expert(x, pack.weight, self.down_proj.weight, self.limit)
+        if k := self.kernel_for(x, opaque=True, loops=False):
+            return k.shared_expert(x, pack.weight, self.down_proj.weight, self.limit)
         return self.combine(*pack(x))
 
     def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -205,7 +203,7 @@ class SharedExpert(nn.Module, KernelChoice):
         return self.down_proj(swiglu(gate, up, self.limit))
 
 
-class MoE(nn.Module):
+class MoE(Module):
     def __init__(self, config: Dsv4Config, layer: int, parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.layer = layer

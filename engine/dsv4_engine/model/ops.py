@@ -10,10 +10,13 @@ model's one switch, `Dsv4ForCausalLM.use_kernels`, sets every module's `use_kern
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.compiler import is_compiling
+from torch.nn.modules import module as _torch_module
 
 from dsv4_engine import kernels
 
@@ -24,6 +27,32 @@ _FP32 = torch.float32
 LOOP_ROWS = 256
 
 
+class Module(nn.Module):
+    """`nn.Module` whose call runs `forward` directly while nothing needs torch's call machinery.
+
+    `nn.Module.__call__` costs ~0.7 us a call (two frames and its hook and tracing checks); an eager
+    decode step calls ~70 modules (four layers). Any hook on the module, a global hook,
+    `Module.compile()` or the JIT tracer takes `nn.Module.__call__` as before, so hooks behave as in
+    torch; a compiler inlines this like any function.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if (
+            self._forward_pre_hooks
+            or self._forward_hooks
+            or self._backward_pre_hooks
+            or self._backward_hooks
+            or _torch_module._global_forward_pre_hooks
+            or _torch_module._global_forward_hooks
+            or _torch_module._global_backward_pre_hooks
+            or _torch_module._global_backward_hooks
+            or self._compiled_call_impl is not None
+            or torch._C._get_tracing_state()
+        ):
+            return super().__call__(*args, **kwargs)
+        return self.forward(*args, **kwargs)
+
+
 class KernelChoice:
     """Mixin of modules that may run a `dsv4::` kernel. `use_kernels` None: whenever the kernels are
     built and the tensor is on CPU (decided per call); True / False: fixed for the model (the engine's
@@ -31,36 +60,36 @@ class KernelChoice:
 
     use_kernels: bool | None = None
 
-    def kernel_for(self, x: torch.Tensor, *, opaque: bool = False, loops: bool = True) -> bool:
-        """Whether this call on `x` (tokens first) runs the kernel. opaque: the kernel stays under a
-        compiler too. loops: the kernel is fp32 loops on one thread, for fp32 `x` of at most
+    def kernel_for(self, x: torch.Tensor, *, opaque: bool = False, loops: bool = True) -> Any:
+        """The kernels this call on `x` (tokens first) runs, or None for the torch code: `kernels.ops()`
+        (`torch.ops.dsv4` under a compiler, else the direct bindings). opaque: the kernel stays under
+        a compiler too. loops: the kernel is fp32 loops on one thread, for fp32 `x` of at most
         `LOOP_ROWS` tokens (other dtypes keep torch's op order, which HF's bf16 rounding follows);
         False: the kernel picks BLAS and the op order for other sizes and dtypes itself. Called a few
         hundred times a decode step: the cheap tests first."""
         use = self.use_kernels
         if use is False:
-            return False
+            return None
         if loops and (x.dtype is not _FP32 or x.shape[0] > LOOP_ROWS):
-            return False
+            return None
         if is_compiling():  # a fixed choice: nothing of the build state is traced
-            return opaque and (x.is_cpu if use else kernels.use_for(x.device))
-        if use is None:
-            return kernels.use_for(x.device)
-        # available(): `kernels.disabled()` (FLOP counting) reaches a model whose choice is fixed too
-        return x.is_cpu and kernels.available()
+            return torch.ops.dsv4 if opaque and (x.is_cpu if use else kernels.use_for(x.device)) else None
+        if not x.is_cpu or (use is None and not kernels.available()):
+            return None
+        return kernels.bound()  # None inside `kernels.disabled()` (FLOP counting), fixed choice or not
 
 
-class Linear(nn.Linear, KernelChoice):
+class Linear(Module, nn.Linear, KernelChoice):
     """`nn.Linear` that runs `dsv4::linear` on CPU (a skinny GEMM streaming the weight once below
     32 rows, where MKL runs at about half the bandwidth; `at::linear` from there on)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None and self.kernel_for(x, opaque=True, loops=False):
-            return torch.ops.dsv4.linear(x, self.weight)
+        if self.bias is None and (k := self.kernel_for(x, opaque=True, loops=False)):
+            return k.linear(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
 
-class RMSNorm(nn.Module, KernelChoice):
+class RMSNorm(Module, KernelChoice):
     """RMSNorm computed in fp32; the weight is kept in fp32 and the result cast to the input dtype."""
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -69,18 +98,18 @@ class RMSNorm(nn.Module, KernelChoice):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel_for(x):
-            return torch.ops.dsv4.rms_norm(x, self.weight, self.eps)
+        if k := self.kernel_for(x):
+            return k.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.mul_(self.weight).to(x.dtype)  # in place on the fresh product: one buffer fewer
 
 
-def unweighted_rms_norm(x: torch.Tensor, eps: float, kernel: bool = False) -> torch.Tensor:
+def unweighted_rms_norm(x: torch.Tensor, eps: float, kernels: Any = None) -> torch.Tensor:
     """RMS normalisation without a weight; the scale is computed in fp32, applied in x's dtype.
-    kernel: as `dsv4::rms_norm` (the caller's `KernelChoice.kernel_for`)."""
-    if kernel:
-        return torch.ops.dsv4.rms_norm(x, None, eps)
+    kernels: as their `rms_norm` (the caller's `KernelChoice.kernel_for`)."""
+    if kernels is not None:
+        return kernels.rms_norm(x, None, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 

@@ -11,6 +11,7 @@ the weights' storage: build it after the model is loaded, cast and moved, and ag
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +23,10 @@ class Packed:
     weight: torch.Tensor  # [sum of outputs, in]
     sizes: tuple[int, ...]
 
-    def __call__(self, x: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, ...]:
-        """The projections of x; kernel: the GEMM as `dsv4::linear` (the caller's
+    def __call__(self, x: torch.Tensor, kernels: Any = None) -> tuple[torch.Tensor, ...]:
+        """The projections of x; kernels: the GEMM as their `linear` (the caller's
         `KernelChoice.kernel_for`)."""
-        y = torch.ops.dsv4.linear(x, self.weight) if kernel else F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if kernels is None else kernels.linear(x, self.weight)
         return y.split(self.sizes, dim=-1)
 
 
