@@ -32,7 +32,6 @@ from dsv4_engine.attention.decode_fill import (
     DecodeLocs,
     fill_decode_buffers,
     fill_decode_buffers_kernel,
-    step_inputs,
 )
 from dsv4_engine.attention.paged_decode import AttentionBackend, DecodeBatch, PoolViews
 from dsv4_engine.memory.allocator import DSV4OutCacheLoc, ExtendSpec
@@ -108,6 +107,10 @@ class DecodeGraphRunner:
         self.pos = {bs: zeros(bs) for bs in self.buckets}
         self.valid = {bs: torch.zeros(bs, dtype=torch.bool, device=self.device) for bs in self.buckets}
         self.locs = {bs: DecodeLocs.zeros(bs, device=self.device) for bs in self.buckets}
+        # Row n: the validity of a step of n requests in bucket bs (its first n rows).
+        self._valid_rows = {
+            bs: torch.arange(bs)[None, :] < torch.arange(bs + 1)[:, None] for bs in self.buckets
+        }
         self.skip_guards = skip_guards
         # Eager steps trim compressed-key gathers to the step's longest context (set by `prepare`);
         # compiled and captured steps keep the buffers' full width.
@@ -170,19 +173,18 @@ class DecodeGraphRunner:
             raise ValueError(f"position {top} exceeds max_positions {self.max_positions}")
         bs = self.buffers.bucket_for(n)
         self.num_pages[bs] = top // self.layout.page_size + 1  # the longest context, in pages
-        req, pos, valid = step_inputs([s.req_idx for s in specs], [s.prefix_len for s in specs], bs)
-        locs = DecodeLocs.of(bundle, bs)
-        ids = torch.zeros(bs, dtype=torch.long)
-        ids[:n] = torch.as_tensor(token_ids, dtype=torch.long)
+        # One host tensor for every integer input (ids, request rows, positions, the five slot kinds):
+        # a decode step's host side is a few Python lists, and each tensor made from one costs ~5 us.
+        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        pad = [0] * (bs - n)
+        flat = [*ids, *pad, *(s.req_idx for s in specs), *pad, *(s.prefix_len for s in specs), *pad]
+        host = torch.tensor(flat + DecodeLocs.rows(bundle, bs), dtype=torch.long).view(8, bs)
         with torch.inference_mode():  # the buffers may be inference tensors (runner built in one)
-            for dst, src in (
-                (self.req[bs], req),
-                (self.pos[bs], pos),
-                (self.valid[bs], valid),
-                (self.input_ids[bs], ids),
-            ):
-                dst.copy_(src)
-            self.locs[bs].slots.copy_(locs.slots)
+            self.input_ids[bs].copy_(host[0])
+            self.req[bs].copy_(host[1])
+            self.pos[bs].copy_(host[2])
+            self.locs[bs].slots.copy_(host[3:])
+            self.valid[bs].copy_(self._valid_rows[bs][n])
         return bs
 
     def run(

@@ -43,6 +43,11 @@ class DecodeLocs:
     def of(cls, bundle: DSV4OutCacheLoc, bucket: int) -> DecodeLocs:
         """A decode step's bundle (one token per request, so at most one slot of each kind per row)
         as one slot per row, padded to the bucket."""
+        return cls(torch.tensor(cls.rows(bundle, bucket), dtype=I64).view(len(cls.KINDS), bucket))
+
+    @classmethod
+    def rows(cls, bundle: DSV4OutCacheLoc, bucket: int) -> list[int]:
+        """`of`'s slots as one flat list, kind after kind (a host tensor built with other inputs)."""
         n = len(bundle.extend_counts)
         if bundle.extend_counts != [1] * n:
             raise ValueError("a decode step's bundle has one new token per request")
@@ -55,11 +60,16 @@ class DecodeLocs:
             (bundle.out_c128_loc, bundle.c128_counts),
             (bundle.out_c128_state_loc, bundle.c128_state_counts),
         ):
-            if any(c > 1 for c in counts) or sum(counts) != values.numel():
+            slots = values.tolist()
+            if len(slots) == n:  # every row writes one (always true of swa)
+                rows += slots
+            elif max(counts, default=0) > 1 or sum(counts) != len(slots):
                 raise ValueError(f"a decode step writes at most one slot of a kind per row, got {counts}")
-            it = iter(values.tolist())
-            rows += [next(it) if c else 0 for c in counts] + pad
-        return cls(torch.tensor(rows, dtype=I64).view(len(cls.KINDS), bucket))
+            else:
+                it = iter(slots)
+                rows += [next(it) if c else 0 for c in counts]
+            rows += pad
+        return rows
 
 
 def _put(dst: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, pad: int = 0) -> None:
