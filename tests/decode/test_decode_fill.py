@@ -12,12 +12,17 @@ from dsv4_engine.attention.decode_fill import (
     DecodeLocs,
     fill_decode_buffers,
     fill_decode_buffers_kernel,
-    step_inputs,
 )
 from dsv4_engine.memory import ExtendSpec
 
 # Prompt lengths around the window (16), ratio-4, ratio-128 and state-tail (tail <= 3) boundaries.
 LENGTHS = (1, 3, 15, 16, 126, 127, 128, 130, 255, 256, 259, 383, 511)
+
+
+def step_inputs(reqs: list[int], positions: list[int], bucket: int) -> tuple[torch.Tensor, ...]:
+    """Padded (req, pos, valid) host tensors, as `DecodeGraphRunner.prepare` fills them."""
+    pad = [0] * (bucket - len(reqs))
+    return torch.tensor(reqs + pad), torch.tensor(positions + pad), torch.arange(bucket) < len(reqs)
 
 
 @pytest.mark.parametrize("fill", ["torch", "kernel"])
@@ -50,3 +55,21 @@ def test_fill_equals_reference_builder(make_mem, batch: int, fill: str) -> None:
             assert torch.equal(got[name], value), f"step {step}: {name} differs"
         for r in reqs:
             lengths[r] += 1
+
+
+def test_decode_locs_refuse_two_slots_of_a_kind_in_one_row() -> None:
+    """A row writes at most one slot of each kind in a decode step; two in one row and none in the
+    other (as many slots as rows) is refused, not spread over the rows."""
+    from dsv4_engine.memory.allocator import DSV4OutCacheLoc
+
+    i64 = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    bundle = DSV4OutCacheLoc(
+        i64(10, 11), i64(20, 21), i64(30, 31), i64(), i64(40, 41), i64(),
+        extend_counts=[1, 1], c4_counts=[2, 0], c128_counts=[0, 0], c4_state_counts=[1, 1], c128_state_counts=[0, 0],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="at most one slot of a kind per row"):
+        DecodeLocs.rows(bundle, 4)
+    bundle.c4_counts = [1, 1]
+    assert DecodeLocs.of(bundle, 4).slots.tolist() == [
+        [20, 21, 0, 0], [30, 31, 0, 0], [40, 41, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0],
+    ]  # fmt: skip

@@ -11,7 +11,6 @@ slot is not the sentinel 0); what it reads comes from the tables.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import torch
 
@@ -61,10 +60,10 @@ class DecodeLocs:
             (bundle.out_c128_state_loc, bundle.c128_state_counts),
         ):
             slots = values.tolist()
+            if any(c > 1 for c in counts) or sum(counts) != len(slots):
+                raise ValueError(f"a decode step writes at most one slot of a kind per row, got {counts}")
             if len(slots) == n:  # every row writes one (always true of swa)
                 rows += slots
-            elif max(counts, default=0) > 1 or sum(counts) != len(slots):
-                raise ValueError(f"a decode step writes at most one slot of a kind per row, got {counts}")
             else:
                 it = iter(slots)
                 rows += [next(it) if c else 0 for c in counts]
@@ -177,16 +176,3 @@ def fill_decode_buffers_kernel(
         req_pool.req_to_token_c4_state, req_pool.req_to_token_c128_state, page_size,
         locs.swa, locs.c4, locs.c4_state, locs.c128, locs.c128_state, fields, c4, c128,
     )  # fmt: skip
-
-
-def step_inputs(
-    req_indices: Sequence[int], positions: Sequence[int], bucket: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Padded host tensors (req, pos, valid) for `fill_decode_buffers` from Python lists."""
-    n = len(req_indices)
-    if not 0 < n <= bucket:
-        raise ValueError(f"batch of {n} does not fit a bucket of {bucket}")
-    pad = [0] * (bucket - n)
-    req = torch.tensor([*req_indices, *pad], dtype=I64)
-    pos = torch.tensor([*positions, *pad], dtype=I64)
-    return req, pos, torch.arange(bucket) < n
