@@ -231,8 +231,7 @@ def test_fingerprint_ignores_pointers_and_pool_sizes() -> None:
     assert len(fingerprint_id(a)) == 16 and int(fingerprint_id(a), 16) >= 0
     assert json.loads(json.dumps(a)) == a  # survives the handshake's JSON
     assert a["state_types"] == ["SWA", "C4", "C128", "INDEXER", "C4_STATE", "C128_STATE"]
-    # One buffer per pool family (memory/pools.py); C4_STATE is the attention and the indexer state.
-    assert a["buffer_counts"] == {"SWA": 1, "C4": 1, "C128": 1, "INDEXER": 1, "C4_STATE": 2, "C128_STATE": 1}
+    assert a["buffer_counts"] == {"SWA": 4, "C4": 2, "C128": 1, "INDEXER": 2, "C4_STATE": 4, "C128_STATE": 1}
 
 
 def _fp(layout: Dsv4MemoryLayout = LAYOUT, checkpoint: str = DIGEST) -> dict:

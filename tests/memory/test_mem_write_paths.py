@@ -155,12 +155,12 @@ def test_write_shape_counts_each_sides_runs(make_mem) -> None:  # type: ignore[n
 # ---- the cost model ----------------------------------------------------------------------------
 
 MIB4 = 4 << 20
-# The small preset's 4096-token request (bench/pd_transfer.py): 6 entries from fresh pools, 99 with
-# every other page taken on both sides (one buffer per pool family, memory/pools.py).
-FRESH = WriteShape(MIB4, direct=6, source_runs=6, destination_runs=6)
-SCATTERED = WriteShape(MIB4, direct=99, source_runs=99, destination_runs=99)
-SOURCE_CONTIGUOUS = WriteShape(MIB4, direct=99, source_runs=6, destination_runs=99)
-DESTINATION_CONTIGUOUS = WriteShape(MIB4, direct=99, source_runs=99, destination_runs=6)
+# The small preset's 4096-token request (bench/pd_transfer.py): 23 entries from fresh pools, 302 with
+# every other page taken on both sides.
+FRESH = WriteShape(MIB4, direct=23, source_runs=23, destination_runs=23)
+SCATTERED = WriteShape(MIB4, direct=302, source_runs=302, destination_runs=302)
+SOURCE_CONTIGUOUS = WriteShape(MIB4, direct=302, source_runs=23, destination_runs=302)
+DESTINATION_CONTIGUOUS = WriteShape(MIB4, direct=302, source_runs=302, destination_runs=23)
 
 
 def test_the_model_picks_the_path_that_packs_only_the_scattered_side() -> None:
@@ -197,11 +197,11 @@ def test_pipelining_pays_only_when_packing_overlaps_something() -> None:
 
 def test_the_model_adds_up_its_measured_parts() -> None:
     c = COSTS
-    assert write_seconds(SCATTERED, "direct") == pytest.approx(98 * c.entry + MIB4 * c.wire)
+    assert write_seconds(SCATTERED, "direct") == pytest.approx(301 * c.entry + MIB4 * c.wire)
     assert write_seconds(SCATTERED, "staged") == pytest.approx(MIB4 * (c.pack + c.wire + c.unpack))
     assert write_seconds(SOURCE_CONTIGUOUS, "unpack_only") == pytest.approx(
-        5 * c.entry + MIB4 * (c.wire + c.unpack)
+        22 * c.entry + MIB4 * (c.wire + c.unpack)
     )
     assert write_seconds(DESTINATION_CONTIGUOUS, "pack_only") == pytest.approx(
-        5 * c.entry + MIB4 * (c.pack + c.wire)
+        22 * c.entry + MIB4 * (c.pack + c.wire)
     )

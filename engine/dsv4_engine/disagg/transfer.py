@@ -64,7 +64,7 @@ MOONCAKE_ENV_DEFAULTS: dict[str, str] = {
 #
 # One write moves `nbytes` of a request's pages. The paths differ in who packs and in how many
 # entries Mooncake pays for (bench/pd_transfer.py measures each side by side):
-#   direct       an entry per run where both sides' pages step by one, per pool buffer;
+#   direct       an entry per run where both sides' pages step by one, per layer buffer;
 #   staged       the prefill packs (memory/staging.py's layout), one entry into the decode's staging
 #                span, the decode unpacks;
 #   pack_only    the prefill packs, then an entry per run of the *decode's* pages (the packed side is
@@ -91,15 +91,14 @@ class Costs:
     overlap: float  # share of the shorter stage a pipeline hides (1: perfect, 0: none)
 
 
-# Medians of six runs of bench/pd_transfer.py (its "cost model" table), the pools' layers interleaved
-# (memory/pools.py), on a quieter machine than the loaded runs behind the constants before (packing
-# and unpacking 3.5 GB/s there; given fragmented pools' 99 entries they picked direct, 1.15-1.4x
-# slower than staged): small preset, one 4096-token request (3.92 MiB), loopback, Mooncake 0.3.13.post1 with
-# MOONCAKE_ENV_DEFAULTS, one torch thread a side, 2 shared cores (load 0.1-0.9). Ranges: entry
-# 15-43 us; wire 2.0-3.1 GB/s; pack 5.2-6.3 GB/s; unpack 6.4-8.0 GB/s; piece 0-12 us (0 in five: 5
-# here, so more pieces are never free); overlap 0.3-1 (on loopback the "wire" is CPU work too, on the
-# same two cores the pack runs on, so how much a pipeline hides swings with the load).
-COSTS = Costs(entry=17e-6, wire=1 / 2.81e9, pack=1 / 5.64e9, unpack=1 / 6.52e9, piece=5e-6, overlap=0.9)
+# Medians of eight runs of bench/pd_transfer.py with the polled write (its "cost model" table), overlap
+# kept from the runs before it (0.4, of five): small preset, one 4096-token request (3.92 MiB),
+# loopback, Mooncake 0.3.13.post1 with MOONCAKE_ENV_DEFAULTS, one torch thread a side, 2 cores shared
+# with other jobs (load 1.2-4.1). Ranges: entry 7-29 us; wire 0.72-2.55 GB/s; pack 2.6-3.9 GB/s;
+# unpack 2.9-4.1 GB/s; piece 0-70 us; overlap 0-1 (on loopback the "wire" is CPU work too, on the
+# same two cores the pack runs on, so how much a pipeline hides swings with the load: 0 in six of
+# these eight loaded runs, 1 in a quiet one).
+COSTS = Costs(entry=19e-6, wire=1 / 2.17e9, pack=1 / 3.53e9, unpack=1 / 3.56e9, piece=11e-6, overlap=0.4)
 
 
 @dataclass(frozen=True)

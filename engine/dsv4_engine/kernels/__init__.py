@@ -7,7 +7,7 @@ sizes the kernels are plain fp32 loops, one dispatch each: `cpu.cpp` for mHC, no
 router, experts and projections (a skinny AVX2 GEMM), `attention.cpp` for a layer's compressors,
 indexer top-k and attention, reading the pools in place instead of ~50 gathers, masks and
 concatenations, `pages.cpp` for packing a request's scattered pages into one PD transfer buffer
-(one call per state type instead of an index_select per pool buffer). Other dtypes, and many rows
+(one call per state type instead of an index_select per layer buffer). Other dtypes, and many rows
 where BLAS wins, run the aten ops. It is built with torch's C++ extension tooling on first use into
 `$XDG_CACHE_HOME/dsv4/kernels/<hash>` (the hash covers the sources, torch's version and the compiler
 flags), so a second process only loads the shared library. Each op has a fake (meta) implementation,

@@ -135,15 +135,6 @@ void check_f32(const char* what, std::initializer_list<const at::Tensor*> tensor
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), what, ": tensors must be contiguous fp32");
 }
 
-// A pool a kernel reads or writes by slot: fp32 [slots, width], each row packed, its row stride whatever
-// the pool's (memory/pools.py interleaves a family's layers row by row, so a layer's rows sit
-// layers * width apart). Returns that stride.
-int64_t pool_rows(const char* what, const at::Tensor& t) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && (t.stride(1) == 1 || t.size(1) <= 1), what,
-              ": pools must be fp32 [slots, width] with packed rows");
-  return t.stride(0);
-}
-
 // The compressed row of slot j of ratio r: page_table[b, j / (P/r)] * (P/r) + j % (P/r).
 struct RowSlots {
   Ints table;
@@ -162,8 +153,7 @@ void compress_decode(const at::Tensor& kv, const at::Tensor& gate, const at::Ten
                      const at::Tensor& block_loc, const at::Tensor& block_positions, const at::Tensor& cos,
                      const at::Tensor& sin, const at::Tensor& norm_weight, double norm_eps, at::Tensor state,
                      at::Tensor rows) {
-  check_f32("compress_decode", {&position_bias, &cos, &sin, &norm_weight});
-  const int64_t ss = pool_rows("compress_decode", state), rs = pool_rows("compress_decode", rows);
+  check_f32("compress_decode", {&position_bias, &cos, &sin, &norm_weight, &state, &rows});
   TORCH_CHECK(kv.scalar_type() == at::kFloat && gate.scalar_type() == at::kFloat && kv.stride(1) == 1 &&
                   gate.stride(1) == 1, "compress_decode: kv and gate must be fp32 rows");  // views of one GEMM
   const int64_t bsz = kv.size(0), half = kv.size(1), ratio = position_bias.size(0);
@@ -186,14 +176,14 @@ void compress_decode(const at::Tensor& kv, const at::Tensor& gate, const at::Ten
       own[half + i] = gp[b * gs + i] + bias[i];
     }
     if (wmask[b]) {
-      std::copy(own.begin(), own.end(), st + wloc[b] * ss);
+      std::copy(own.begin(), own.end(), st + wloc[b] * 2 * half);
     } else {
       std::fill(st, st + half, 0.f);
       std::fill(st + half, st + 2 * half, kNegInf);
     }
     if (!bmask[b]) continue;
     for (int64_t c = 0; c < width; ++c)
-      win[c] = c == p - start[b] ? own.data() : st + slots.at(b, c) * ss;
+      win[c] = c == p - start[b] ? own.data() : st + slots.at(b, c) * 2 * half;
     // Column c's kv and score for channel i: at ratio 4 (coff 2) the older block gives its first
     // half, the newer its second.
     auto offset = [&](int64_t c) { return coff == 2 && c >= ratio ? d : 0; };
@@ -213,7 +203,7 @@ void compress_decode(const at::Tensor& kv, const at::Tensor& gate, const at::Ten
       const float *v = win[c] + offset(c), *ec = e.data() + c * d;
       for (int64_t i = 0; i < d; ++i) pooled[i] += v[i] * (ec[i] / sum[i]);
     }
-    float* o = out + bloc[b] * rs;
+    float* o = out + bloc[b] * d;
     dsv4::rms_norm_row(pooled.data(), nw, o, d, static_cast<float>(norm_eps));
     dsv4::rotate_pairs(o + d - rd, cp + bpos[b] * rd, sp + bpos[b] * rd, 1.f, rd, o + d - rd);
   }
@@ -225,8 +215,7 @@ void compress_decode(const at::Tensor& kv, const at::Tensor& gate, const at::Ten
 at::Tensor index_topk(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& keys,
                       const at::Tensor& page_table, const at::Tensor& visible, int64_t ratio, int64_t page_size,
                       double softmax_scale, int64_t k) {
-  check_f32("index_topk", {&q, &weights});
-  const int64_t ks = pool_rows("index_topk", keys);
+  check_f32("index_topk", {&q, &weights, &keys});
   const int64_t bsz = q.size(0), heads = q.size(1), d = q.size(2);
   TORCH_CHECK(keys.size(1) == d && weights.size(1) == heads, "index_topk: shapes");
   const RowSlots slot{Ints(page_table), page_size / ratio};
@@ -247,7 +236,7 @@ at::Tensor index_topk(const at::Tensor& q, const at::Tensor& weights, const at::
     }
     score.assign(n, 0.f);
     for (int64_t j = 0; j < n; ++j) {
-      loops.head_dots(qp + b * heads * d, heads, kp + slot.at(b, j) * ks, d, dots.data());
+      loops.head_dots(qp + b * heads * d, heads, kp + slot.at(b, j) * d, d, dots.data());
       float s = 0.f;
       for (int64_t h = 0; h < heads; ++h) s += std::max(dots[h], 0.f) * scale * wp[b * heads + h];
       score[j] = s;
@@ -270,10 +259,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& swa, const at:
                            const c10::optional<at::Tensor>& comp, const at::Tensor& page_table,
                            const c10::optional<at::Tensor>& comp_rows, const c10::optional<at::Tensor>& visible, int64_t ratio,
                            int64_t page_size, const at::Tensor& sinks, double scaling) {
-  check_f32("paged_attention", {&q, &sinks});
-  const int64_t ws = pool_rows("paged_attention", swa), cs = comp ? pool_rows("paged_attention", *comp) : 0;
+  check_f32("paged_attention", {&q, &swa, &sinks});
   const int64_t bsz = q.size(0), heads = q.size(1), d = q.size(2), window = swa_slots.size(1);
   TORCH_CHECK(swa.size(1) == d && sinks.numel() == heads, "paged_attention: shapes");
+  if (comp) check_f32("paged_attention", {&*comp});
   TORCH_CHECK(!comp || visible, "paged_attention: compressed keys need `visible`");
   auto out = at::empty_like(q);
   const float *qp = q.data_ptr<float>(), *sw = swa.data_ptr<float>(), *sk = sinks.data_ptr<float>();
@@ -291,12 +280,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& swa, const at:
   for (int64_t b = 0; b < bsz; ++b) {
     keys.clear();
     for (int64_t j = 0; j < window; ++j)
-      if (const int64_t s = wslots.at(b, j); s >= 0) keys.push_back(sw + s * ws);
+      if (const int64_t s = wslots.at(b, j); s >= 0) keys.push_back(sw + s * d);
     if (cp) {
       const int64_t n = vis[b], count = listed ? width : n;
       for (int64_t j = 0; j < count; ++j)
         if (const int64_t row = listed ? crow.at(b, j) : j; row >= 0 && row < n)
-          keys.push_back(cp + slot.at(b, row) * cs);
+          keys.push_back(cp + slot.at(b, row) * d);
     }
     const int64_t m = static_cast<int64_t>(keys.size());
     logits.resize(m * heads);  // [m, heads]

@@ -1,7 +1,7 @@
 // Page staging for PD transfers, registered as torch ops `dsv4::gather_pages` / `dsv4::scatter_pages`.
 //
 // Mooncake's TCP transport pays ~20-37 us per entry whatever its size, so a request whose pages are
-// scattered (one entry per page per pool buffer) moves at a fraction of the link's rate. Staging
+// scattered (one entry per page per layer buffer) moves at a fraction of the link's rate. Staging
 // packs those pages into one contiguous buffer and sends it as one entry; these two ops are that
 // packing, one call for every buffer of a state type instead of an index_select per buffer.
 //

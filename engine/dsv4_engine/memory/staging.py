@@ -1,6 +1,6 @@
 """Staging for PD transfers: a registered byte arena, and packing a state type's pages into it.
 
-A request whose pages are scattered costs Mooncake one entry per page run per pool buffer (~10-40 us
+A request whose pages are scattered costs Mooncake one entry per page run per layer buffer (~20-37 us
 each over TCP whatever its size). Packed into one contiguous span, the same bytes go as one entry;
 the receiver unpacks them into its own pages. The packed layout of one (state type, pages) segment
 is buffer-major, each page the buffer's whole row block, in page-list order:

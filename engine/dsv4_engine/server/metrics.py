@@ -238,7 +238,7 @@ class ServerMetrics:
         self.pd_writes = Counter(
             f"{PREFIX}_pd_transfer_writes",
             "Mooncake writes to decode servers (prefill side), by path: direct (an entry per page run "
-            "per pool buffer), staged (packed here, one entry, unpacked by the decode), pack_only "
+            "per layer buffer), staged (packed here, one entry, unpacked by the decode), pack_only "
             "(packed here, an entry per run of the decode's pages), unpack_only (an entry per run of "
             "ours into the decode's span, unpacked there); _pipelined: packed in pieces, each while "
             "the one before is on the wire.",
