@@ -51,10 +51,10 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator ./operator
 COPY engine ./engine
-# torch_npu pins an exact torch; the engine extra's torch range is satisfied by it.
-RUN pip install "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}" \
-    && pip install --no-deps "mooncake-transfer-engine==0.3.13.post1" \
-    && pip install ".[engine]" "sglang-router==0.3.2" && rm -rf /src
+# The `ascend` extra pins torch, torch_npu and Mooncake's Ascend build (tests/packaging/test_ascend_pins.py
+# resolves it); the build args must agree with it.
+RUN pip install ".[ascend]" "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}" "sglang-router==0.3.2" \
+    && rm -rf /src
 USER 65532:65532
 ENTRYPOINT ["dsv4"]
 CMD ["serve", "--help"]

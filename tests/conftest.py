@@ -3,16 +3,69 @@ tests must not pull in torch)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))  # `suite`: the allowed skips and the pinned tools
+from suite import skips
+
 # torch_npu, if ever present in a CPU environment, breaks `import torch` without this.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+_skipped: dict[str, list[str]] = {}  # reason -> test ids
+_tiers: dict[str, dict[str, int]] = {}  # tests/<tier> -> outcome -> count
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skipped.setdefault(reason.removeprefix("Skipped: "), []).append(report.nodeid)
+    if report.when == "call" or not report.passed:  # one outcome per test: its call, or what ended it
+        parts = report.nodeid.split("/")
+        tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
+        counts = _tiers.setdefault(tier, {})
+        counts[report.outcome] = counts.get(report.outcome, 0) + 1
+
+
+def _disallowed() -> dict[str, list[str]]:
+    return {r: ids for r, ids in _skipped.items() if not skips.allowed(r)}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A strict run (the test command's) fails on any skip that is not a hardware one."""
+    if skips.strict() and _disallowed() and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Every skip, by reason; in a strict run, which of them fail it."""
+    tr = terminalreporter
+    tr.section("tiers (tests/<tier>: outcomes)")
+    for tier, counts in sorted(_tiers.items()):
+        tr.write_line(f"{tier:12s} " + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())))
+    total = sum(len(ids) for ids in _skipped.values())
+    tr.section(f"skips: {total} (allowed: tests/suite/skips.py HARDWARE)")
+    for reason, ids in sorted(_skipped.items()):
+        verdict = "allowed" if skips.allowed(reason) else "NOT ALLOWED" if skips.strict() else "not hardware"
+        tr.write_line(f"{len(ids):4d}  {verdict}: {reason}")
+        for nodeid in ids[:3]:
+            tr.write_line(f"        {nodeid}")
+        if len(ids) > 3:
+            tr.write_line(f"        ... and {len(ids) - 3} more")
+    if skips.strict() and _disallowed():
+        tr.write_line(
+            f"FAILED: {sum(len(i) for i in _disallowed().values())} skips are not hardware ones and "
+            f"{skips.STRICT_ENV} is set: install what they name (scripts/test.sh does)",
+            red=True,
+            bold=True,
+        )
 
 
 @pytest.fixture
@@ -180,6 +233,6 @@ class LmEval:
 
 @pytest.fixture
 def lm_eval(tmp_path: Path) -> LmEval:
-    if not os.environ.get("CI"):  # CI's scripts/setup.sh installs it: there a missing client fails
-        pytest.importorskip("lm_eval", reason="lm-eval is not installed (scripts/setup.sh installs it)")
+    if importlib.util.find_spec("lm_eval") is None:
+        skips.missing("lm-eval is not installed (scripts/setup.sh installs it)")
     return LmEval(tmp_path)

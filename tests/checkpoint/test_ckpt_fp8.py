@@ -155,9 +155,6 @@ def test_fp8_checkpoint_stays_close_to_the_fp32_one(tiny_ckpt: Path, tiny_fp8_ck
 
 
 def test_hf_loads_it_to_the_same_weights_and_logits(tiny_fp8_ckpt: Path) -> None:
-    pytest.importorskip(
-        "accelerate", reason="HF's FP8 quantizer needs accelerate to load a quantised checkpoint"
-    )
     from transformers import AutoModelForCausalLM
 
     # On CPU HF turns on `dequantize` itself: FP8 and FP4 weights become plain Linear / expert weights

@@ -1,4 +1,4 @@
-"""Tier 5, the cluster on this machine: the real tier (tests/kube/realkube.py: etcd, kube-apiserver,
+"""Tier 5, the cluster on this machine: the real tier (tests/suite/realkube.py: etcd, kube-apiserver,
 kube-controller-manager) plus the test node agent (agent/), which binds pods and really runs them,
 each in its own network and mount namespace; the operator installed by the chart runs as a pod.
 
@@ -9,8 +9,8 @@ pod addresses from threads that joined the node namespace (`Node.pool`), there b
 There is no CNI either: the agent enforces NetworkPolicies itself (agent/netpol.py) and records each
 applied generation (`Node.netpol()`); `Node.pod_pool` connects from inside a given pod's namespace.
 
-Needs root (network namespaces, mounts) and helm (scripts/get-helm.sh), besides the real tier's
-binaries; skipped without them unless DSV4_REQUIRE_REAL_KUBE is set.
+Needs root (network namespaces, mounts) and helm (suite/tools.py), besides the real tier's
+binaries; skipped without them unless the run is strict (tests/suite/skips.py).
 """
 
 from __future__ import annotations
@@ -29,31 +29,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import yaml
+
+from suite import skips, tools
 
 HERE = pathlib.Path(__file__).parent
 ROOT = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(HERE.parent / "kube")]  # the agent package; realkube.py
+sys.path.insert(0, str(HERE))  # the agent package
 from agent import netns  # noqa: E402
-from realkube import Cluster, run_cluster, wait_until  # noqa: E402
-from serving import NAMESPACE, RELEASE  # noqa: E402
+from serving import NAMESPACE, RELEASE, is_ready  # noqa: E402
 
-
-def _need(reason: str) -> None:
-    if os.environ.get("DSV4_REQUIRE_REAL_KUBE"):
-        pytest.fail(reason)
-    pytest.skip(reason)
+from suite.realkube import Cluster, run_cluster, wait_until  # noqa: E402
 
 
 def helm_binary() -> str:
     if os.geteuid() != 0:
-        _need("the cluster tier needs root (network namespaces and mounts for its pods)")
-    found = os.environ.get("DSV4_HELM") or shutil.which("helm")
-    if not found:
-        got = subprocess.run(["bash", str(ROOT / "scripts" / "get-helm.sh")], capture_output=True, text=True)
-        found = got.stdout.strip() if got.returncode == 0 else None
-    if not found:
-        _need("the cluster tier needs helm: run scripts/get-helm.sh (or set DSV4_HELM)")
-    return found  # type: ignore[return-value]
+        skips.missing("the cluster tier needs root (network namespaces and mounts for its pods)")
+    return tools.helm()
 
 
 @dataclass
@@ -95,9 +87,9 @@ class Node:
 
     def netpol(self) -> dict[str, Any]:
         """The agent's last applied NetworkPolicy generation: {"generation": N, "isolated": {pod IP:
-        [Allow as a dict, ...]}} (agent/netpol.py), written after its `nft -f` succeeded."""
-        path = self.state / "netpol.json"
-        return json.loads(path.read_text()) if path.exists() else {"generation": 0, "isolated": {}}
+        [Allow as a dict, ...]}, "disabled": why it enforces nothing, or None} (agent/netpol.py),
+        written at its start and after each `nft -f` succeeded."""
+        return json.loads((self.state / "netpol.json").read_text())
 
 
 def sweep(prefix: str) -> None:
@@ -116,8 +108,49 @@ def helm() -> str:
 
 @pytest.fixture(scope="session")
 def kube(helm: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with run_cluster(tmp_path_factory.mktemp("cluster-kube")) as c:
+    """The real tier, its API server reaching the pod network through the agent's egress proxy
+    (agent/relay.py: a webhook registered by Service reaches a Ready pod behind it)."""
+    d = tmp_path_factory.mktemp("cluster-kube")
+    with run_cluster(d, egress_socket=d / "egress.sock") as c:
         yield c
+
+
+EARLIER = "0.0.1"  # the operator release the chart is first installed at (`earlier_release`)
+
+
+@dataclass
+class EarlierRelease:
+    """An earlier release of the chart and its operator, which `helm upgrade` moves from: the same code,
+    but version 0.0.1 and a CRD without `spec.monitoring` (an optional field added since). `image` is
+    what the node agent runs as `dsv4-operator:0.0.1` (agent/images.py); `chart` a copy of the chart
+    at that appVersion, its crds/ the old CRD."""
+
+    image: pathlib.Path
+    chart: pathlib.Path
+    crd: dict[str, Any]
+
+
+@pytest.fixture(scope="session")
+def earlier_release(tmp_path_factory: pytest.TempPathFactory) -> EarlierRelease:
+    from dsv4_operator.crd import load_crd
+
+    root = tmp_path_factory.mktemp("earlier-release")
+    crd = load_crd(cel=False)
+    del crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "monitoring"
+    ]
+    image = root / "image"
+    dist = image / "site" / f"dsv4-{EARLIER}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: dsv4\nVersion: {EARLIER}\n")
+    (image / "crd.yaml").write_text(yaml.safe_dump(crd))
+    chart = root / "chart"
+    shutil.copytree(ROOT / "charts" / "dsv4-operator", chart)
+    meta = yaml.safe_load((chart / "Chart.yaml").read_text())
+    meta.update(version="0.1.0", appVersion=EARLIER)
+    (chart / "Chart.yaml").write_text(yaml.safe_dump(meta, sort_keys=False))
+    (chart / "crds" / "dsv4deployment.yaml").write_text(yaml.safe_dump(crd))
+    return EarlierRelease(image, chart, crd)
 
 
 @pytest.fixture(scope="session")
@@ -140,6 +173,7 @@ def node(
     kube: Cluster,
     tiny_model: pathlib.Path,
     tiny_model_v2: pathlib.Path,
+    earlier_release: EarlierRelease,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Node]:
     state = tmp_path_factory.mktemp("agent")
@@ -149,7 +183,8 @@ def node(
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "agent", f"--kubeconfig={kube.kubeconfig}", f"--api={api}",
-         f"--model=tiny={tiny_model}", f"--model=tiny-v2={tiny_model_v2}", f"--state-dir={state}", f"--netns-prefix={prefix}"],
+         f"--model=tiny={tiny_model}", f"--model=tiny-v2={tiny_model_v2}", f"--state-dir={state}", f"--netns-prefix={prefix}",
+         f"--operator-release={EARLIER}={earlier_release.image}", f"--egress-socket={kube.dir / 'egress.sock'}"],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )  # fmt: skip
     n = Node(proc, log, prefix, state)
@@ -173,28 +208,47 @@ def node(
         sweep(prefix)
 
 
+OPERATOR_PODS = "app.kubernetes.io/name=dsv4-operator"
+
+
 @pytest.fixture(scope="session")
-def operator_release(kube: Cluster, node: Node, helm: str) -> dict[str, Any]:
-    """The chart installed (one replica, no webhook: the API server cannot reach pod addresses
-    here; --skip-crds: the tier applied the CRD without its CEL rules, which 1.20 cannot store);
-    returns the operator pod once Ready."""
+def operator_release(kube: Cluster, node: Node, helm: str, earlier_release: EarlierRelease) -> dict[str, Any]:
+    """The earlier release of the chart installed as a user installs it, with its default values: two
+    operator replicas with leader election, the admission webhook (reached through its Service).
+    --skip-crds, with the release's CRD applied in its place, CEL stripped: 1.20 cannot store CEL
+    rules (`dsv4 render --crd --no-cel`). test_cluster_chart.py upgrades it to this checkout's chart.
+    Returns an operator pod once both are Ready, one holds the Lease and the webhook is registered."""
+    old = {**earlier_release.crd, "metadata": {**earlier_release.crd["metadata"]}}
+    old["metadata"]["resourceVersion"] = kube.get("crd/dsv4deployments.dsv4.ai")["metadata"][
+        "resourceVersion"
+    ]
+    kube.kubectl("replace", "-f", "-", input=json.dumps(old))
     proc = subprocess.run(
-        [helm, "install", RELEASE, str(ROOT / "charts" / "dsv4-operator"), "--namespace", NAMESPACE,
-         f"--kubeconfig={kube.kubeconfig}", "--set", "replicaCount=1", "--set", "leaderElection.enabled=false",
-         "--set", "webhook.enabled=false", "--set", "resyncSeconds=5", "--set", "drainSeconds=10", "--skip-crds"],
+        [helm, "install", RELEASE, str(earlier_release.chart), "--namespace", NAMESPACE,
+         f"--kubeconfig={kube.kubeconfig}", "--skip-crds"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    return wait_until(lambda: ready_pod(kube, NAMESPACE, "app.kubernetes.io/name=dsv4-operator"), 180,
-                      "the operator pod to be Ready")  # fmt: skip
+    pods = wait_until(
+        lambda: len(operator_pods(kube)) == 2 and operator_pods(kube), 180, "both operator pods Ready"
+    )
+    wait_until(lambda: lease_holder(kube), 120, "an operator to hold the Lease")
+    wait_until(
+        lambda: kube.get("validatingwebhookconfigurations")["items"], 120, "the webhook's registration"
+    )
+    return pods[0]
 
 
-def ready_pod(kube: Cluster, namespace: str, selector: str) -> dict[str, Any] | None:
-    for pod in kube.get("pods", "-n", namespace, "-l", selector)["items"]:
-        conditions = pod.get("status", {}).get("conditions") or []
-        if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
-            return pod
-    return None
+def operator_pods(kube: Cluster) -> list[dict[str, Any]]:
+    """The release's Ready operator pods."""
+    return [p for p in kube.get("pods", "-n", NAMESPACE, "-l", OPERATOR_PODS)["items"] if is_ready(p)]
+
+
+def lease_holder(kube: Cluster) -> str | None:
+    """The operator pod holding the release's Lease (its holderIdentity is the pod's name)."""
+    got = kube.kubectl("get", "lease", "-n", NAMESPACE, "-o", "json", check=False)
+    leases = json.loads(got.stdout)["items"] if got.returncode == 0 else []
+    return next((x["spec"].get("holderIdentity") for x in leases if x["spec"].get("holderIdentity")), None)
 
 
 @pytest.fixture(scope="session")

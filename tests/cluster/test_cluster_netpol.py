@@ -12,10 +12,11 @@ import shutil
 import subprocess
 from typing import Any
 
-import pytest
 import yaml
 from agent.netpol import Allow, allowed, ruleset
 from serving import EXAMPLE
+
+from suite import skips
 
 Obj = dict[str, Any]
 MONITORING = {"dsv4.test/team": "monitoring"}
@@ -181,7 +182,7 @@ def test_the_ruleset_is_one_table_nft_accepts(tmp_path: pathlib.Path) -> None:
     assert "meta l4proto sctp accept" in text
     assert text.count("reject with tcp reset") == 3 and "ip daddr 10.244.0.6 jump pod_10_244_0_6" in text
     if os.geteuid() != 0 or not shutil.which("nft") or not shutil.which("unshare"):
-        pytest.skip("nft's own check needs root, nft and unshare")
+        skips.missing("nft's own check needs root, nft and unshare (scripts/setup.sh installs nftables)")
     # Loaded by the kernel in a throwaway network namespace, twice: the second replaces the first.
     (tmp_path / "rules.nft").write_text(text)
     script = 'nft -f "$1" && nft -f "$1" && nft list table inet dsv4_netpol'

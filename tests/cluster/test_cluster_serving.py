@@ -19,7 +19,6 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from realkube import free_port
 from serving import (
     CHAT,
     EXAMPLE,
@@ -42,6 +41,9 @@ from serving import (
     stray_prefill,
     streamed_chat,
 )
+
+from suite import skips
+from suite.realkube import free_port
 
 pytestmark = [pytest.mark.realk8s, pytest.mark.timeout(900)]
 START = 300.0  # three engines loading on a loaded 2-core machine
@@ -200,24 +202,75 @@ def test_a_killed_engine_process_is_restarted_in_its_pod(
     until(lambda: in_node(node, streamed_chat, url) == reference, 180, "a reply after the restart")
 
 
+# A decoy worker: answers every request 200 with `{}` and logs it, one line per request.
+DECOY = """
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def _any(self):
+        print("REQUEST", self.command, self.path, flush=True)
+        body = json.dumps({}).encode()
+        self.send_response(200); self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    do_GET = do_POST = do_PUT = do_DELETE = _any
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _decoy(name: str, like: dict[str, Any], **labels: str) -> dict[str, Any]:
+    """A Ready pod with `like`'s labels but `labels` changed, serving on its HTTP port: what a
+    router whose selectors missed the deployment or the fingerprint would take for a decode worker."""
+    c = like["spec"]["containers"][0]
+    spec = {"terminationGracePeriodSeconds": 1, "containers": [{
+        "name": "decoy", "image": c["image"], "imagePullPolicy": "Never", "command": ["python3", "-c", DECOY, str(port_of(like))],
+        "ports": c["ports"]}]}  # fmt: skip
+    meta = {"name": name, "namespace": NS, "labels": {**like["metadata"]["labels"], **labels}}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
 def test_scaling_decode_to_two_under_load_and_back_fails_no_request(
     reference: str, kube: Any, node: Any, deployment: dict[str, Any], until: Any
 ) -> None:
+    """16 streams through the router while decode scales to 2 and back: no request fails. Beside
+    them, two decoy decode workers, one of another generation (fingerprint), one of another
+    deployment: the router's selectors keep both out, so they get no request at all. They are Ready
+    before the scale-up starts, so by the time the router sends load to the new decode pod it has
+    seen them, and a router selecting them would have probed them or sent them load."""
     url = router_url(kube)
-    with Load(node, url, workers=2) as load:
-        until(lambda: load.count() >= 2, 180, "the steady load to run")
-        kube.kubectl("scale", "dsv4", NAME, "-n", NS, "--replicas=2")
-        ready = lambda: [p for p in pods(kube, "decode") if is_ready(p)]  # noqa: E731
-        until(lambda: len(ready()) == 2, START, "two Ready decode pods")
-        (joined,) = [p for p in ready() if p["metadata"]["name"].endswith("-1")]
-        base = f"http://{joined['status']['podIP']}:{port_of(joined)}"
-        with node.pool(1) as pool:
-            served = lambda: pool.submit(counter, base, "vllm:generation_tokens").result(30) > 0  # noqa: E731
-            until(served, 180, "the new decode pod to serve requests of the load")
-        kube.kubectl("scale", "dsv4", NAME, "-n", NS, "--replicas=1")
-        until(lambda: len(pods(kube, "decode")) == 1, 240, "decode-1 to drain and be removed")
-        after = load.count()
-        until(lambda: load.count() >= after + 2, 180, "the load to go on after the scale-down")
+    (decode,) = pods(kube, "decode")
+    decoys = {
+        "decoy-generation": {"dsv4.ai/fingerprint": "decoy"},
+        "decoy-deployment": {"dsv4.ai/deployment": "other"},
+    }
+    try:
+        for name, labels in decoys.items():
+            kube.kubectl("apply", "-f", "-", input=json.dumps(_decoy(name, decode, **labels)))
+        live = lambda: [p for p in kube.get("pods", "-n", NS)["items"] if p["metadata"]["name"] in decoys]  # noqa: E731
+        decoy_pods = until(lambda: (got := live()) and len(got) == 2 and all(is_ready(p) for p in got) and got,
+                           120, "the decoys to be Ready")  # fmt: skip
+        with Load(node, url, workers=16) as load:
+            until(lambda: load.count() >= 16, 300, "the steady load to run")
+            kube.kubectl("scale", "dsv4", NAME, "-n", NS, "--replicas=2")
+            ready = lambda: [p for p in pods(kube, "decode") if is_ready(p)]  # noqa: E731
+            until(lambda: len(ready()) == 2, START, "two Ready decode pods")
+            (joined,) = [p for p in ready() if p["metadata"]["name"].endswith("-1")]
+            base = f"http://{joined['status']['podIP']}:{port_of(joined)}"
+            with node.pool(1) as pool:
+                served = lambda: pool.submit(counter, base, "vllm:generation_tokens").result(30) > 0  # noqa: E731
+                until(served, 180, "the new decode pod to serve requests of the load")
+            kube.kubectl("scale", "dsv4", NAME, "-n", NS, "--replicas=1")
+            until(lambda: len(pods(kube, "decode")) == 1, 240, "decode-1 to drain and be removed")
+            after = load.count()
+            until(lambda: load.count() >= after + 16, 300, "the load to go on after the scale-down")
+        for pod in decoy_pods:
+            assert "REQUEST" not in node.log_of(pod, "decoy"), node.log_of(pod, "decoy")[-2000:]
+        # The control: a request that does reach a decoy shows in its log.
+        probe = decoy_pods[0]
+        in_node(node, httpx.get, f"http://{probe['status']['podIP']}:{port_of(probe)}/health")
+        until(lambda: "REQUEST GET /health" in node.log_of(probe, "decoy"), 30, "the decoy to log a request")
+    finally:
+        for name in decoys:
+            kube.kubectl("delete", "pod", name, "-n", NS, "--ignore-not-found", "--grace-period=1")
     assert not load.failures(), load.failures()[:5]
     assert all(text == reference for _, text in load.results)
 
@@ -323,6 +376,8 @@ def test_the_network_policy_admits_the_scraper_to_metrics_only(
     patch = {"spec": {"networkPolicy": {"enabled": True}, "monitoring": {"scraper": {
         "namespaceSelector": {"matchLabels": TEAM}, "podSelector": {"matchLabels": PROMETHEUS}}}}}  # fmt: skip
     off = {"spec": {"networkPolicy": {"enabled": False}, "monitoring": {"scraper": None}}}  # the example's
+    if node.netpol()["disabled"]:
+        skips.hardware("br_netfilter", node.netpol()["disabled"])
     try:
         until(lambda: _token_ready(kube), 60, "the monitoring namespace's ServiceAccount token")
         for name, labels in (("prometheus", PROMETHEUS), ("grafana", {"app.kubernetes.io/name": "grafana"})):

@@ -19,6 +19,7 @@ from dsv4_engine.model.hyper import HyperConnection, expand
 from dsv4_engine.model.moe import Experts, Router
 from dsv4_engine.model.ops import KernelChoice
 from dsv4_engine.model.packed import pack_linears
+from suite import skips
 
 DTYPES = [torch.float32, torch.bfloat16]
 # fp32 routed experts take the kernel's own skinny GEMM where the CPU has AVX2 and FMA.
@@ -122,7 +123,7 @@ def test_moe_experts_equals_the_expert_loop(model, dtype: torch.dtype, tokens: i
         assert torch.equal(got, want)  # same experts, same order, same BLAS and aten ops
 
 
-@pytest.mark.skipif(not SKINNY, reason="the skinny GEMM needs x86 with AVX2")
+@pytest.mark.skipif(not SKINNY, reason=skips.hardware_reason("avx2", "the skinny GEMM needs x86 with AVX2"))
 @pytest.mark.parametrize(("hidden", "inter"), [(None, None), (100, 37)])
 def test_moe_experts_row_does_not_depend_on_its_batch(model, hidden: int | None, inter: int | None) -> None:
     """Every token's routed output is bit-equal whether it is decoded alone or among 40 others, also for

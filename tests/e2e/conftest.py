@@ -14,7 +14,7 @@ optional:
                             weights differ (default: the engine-cpu image's second checkpoint,
                             {"spec": {"model": {"image": {"path": "/opt/dsv4/models/tiny-v2"}}}};
                             Ascend: e.g. {"spec": {"model": {"hostPath": {"path": "/data/models/NEW"}}}})
-  DSV4_HELM                 helm, else `helm` on PATH
+  DSV4_HELM, KUBECTL        helm and kubectl, else the pinned ones (scripts/get-kube-clients.sh)
 
 The operator is installed by the chart (kept when it is already installed); the endpoint is
 reached through `kubectl port-forward` to the endpoint Service, as a user would, except in the

@@ -7,15 +7,15 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import pytest
 from loadclient import STOP, finished, outcomes
+
+from suite import skips, tools
 
 ROOT = pathlib.Path(__file__).parents[2]
 REQUIRED = ("KUBECONFIG", "DSV4_E2E_ENGINE_IMAGE", "DSV4_E2E_OPERATOR_IMAGE")
@@ -25,24 +25,19 @@ ROLLOUT = json.dumps({"spec": {"model": {"image": {"path": "/opt/dsv4/models/tin
 
 def settings() -> dict[str, str]:
     missing = [k for k in REQUIRED if not os.environ.get(k)]
-    helm = os.environ.get("DSV4_HELM") or shutil.which("helm")
-    kubectl = shutil.which("kubectl")
-    if missing or not helm or not kubectl:
-        need = (
-            missing
-            + ([] if helm else ["helm (on PATH, or DSV4_HELM)"])
-            + ([] if kubectl else ["kubectl on PATH"])
-        )
-        pytest.skip(
-            "e2e needs a real cluster; missing: "
-            + ", ".join(need)
+    if missing:
+        skips.hardware(
+            "cluster",
+            "set "
+            + ", ".join(missing)
             + " (KUBECONFIG of a kind cluster with the engine-cpu and operator images loaded, or of a"
             " cluster with Ascend nodes and the engine-ascend image, then also DSV4_E2E_EXAMPLE and"
-            " DSV4_E2E_ROLLOUT_PATCH; see README 'The e2e tier against your cluster')"
+            " DSV4_E2E_ROLLOUT_PATCH; see README 'The e2e tier against your cluster')",
         )
+    helm, kubectl = tools.helm(), tools.kubectl()
     return {
-        "helm": helm,  # type: ignore[dict-item]
-        "kubectl": kubectl,  # type: ignore[dict-item]
+        "helm": helm,
+        "kubectl": kubectl,
         "engine": os.environ["DSV4_E2E_ENGINE_IMAGE"],
         "operator": os.environ["DSV4_E2E_OPERATOR_IMAGE"],
         "example": os.environ.get("DSV4_E2E_EXAMPLE", str(ROOT / "examples" / "cpu-tiny.yaml")),

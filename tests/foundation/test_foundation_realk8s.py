@@ -5,9 +5,6 @@ variant, the OpenAPI half of the drift test and the API server's own defaulting.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -24,6 +21,7 @@ from dsv4_operator.crd import crd_yaml
 from dsv4_operator.manifests import render
 from dsv4_operator.plan import POD_MONITOR_API
 from dsv4_operator.spec import parse
+from suite import realkube, tools
 
 pytestmark = [
     pytest.mark.realk8s,
@@ -35,30 +33,10 @@ INVALID = sorted((ROOT / "examples" / "invalid").glob("*.yaml"))
 TOKEN = "foundation-admin-token"
 
 
-def _binary(env: str, cached: str, which: str) -> str | None:
-    if os.environ.get(env):
-        return os.environ[env]
-    cache = Path(
-        os.environ.get("DSV4_KUBE_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv4" / "kube"
-    )
-    path = cache / "v1.20.2" / "bin" / cached
-    return str(path) if path.is_file() else shutil.which(which)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def kubeconfig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    apiserver = _binary("DSV4_KUBE_APISERVER", "kube-apiserver", "kube-apiserver")
-    etcd = _binary("DSV4_ETCD", "etcd", "etcd")
-    kubectl = shutil.which("kubectl")
-    if not (apiserver and etcd and kubectl):
-        pytest.skip("needs kube-apiserver 1.20 (scripts/build-kube.sh), etcd and kubectl")
+    bins = realkube.binaries()
+    apiserver, etcd = bins["apiserver"], bins["etcd"]
     d = tmp_path_factory.mktemp("kube")
     subprocess.run(["openssl", "genrsa", "-out", d / "sa.key", "2048"], check=True, capture_output=True)
     subprocess.run(
@@ -67,7 +45,7 @@ def kubeconfig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         capture_output=True,
     )
     (d / "tokens.csv").write_text(f"{TOKEN},admin,admin,system:masters\n")
-    client, peer, secure = _free_port(), _free_port(), _free_port()
+    client, peer, secure = realkube.free_port(), realkube.free_port(), realkube.free_port()
     procs = [
         subprocess.Popen(
             [etcd, "--data-dir", d / "etcd", f"--listen-client-urls=http://127.0.0.1:{client}",
@@ -133,7 +111,7 @@ def _ready(port: int) -> bool:
 
 
 def kubectl_run(config: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [shutil.which("kubectl") or "kubectl", f"--kubeconfig={config}", *args]
+    cmd = [tools.kubectl(), f"--kubeconfig={config}", *args]
     return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=60)
 
 

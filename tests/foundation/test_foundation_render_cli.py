@@ -14,6 +14,7 @@ import yaml
 from dsv4_operator.manifests import render
 from dsv4_operator.render import dump
 from dsv4_operator.spec import SpecError, parse
+from suite import skips
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID = sorted((ROOT / "examples").glob("*.yaml"))
@@ -123,13 +124,11 @@ def test_dsv4_render_never_imports_torch() -> None:
 def test_the_probe_detects_torch() -> None:
     # The check above could pass vacuously; show it sees torch when torch is imported.
     if importlib.util.find_spec("torch") is None:
-        pytest.skip("torch not installed here")
+        skips.missing("torch not installed here (the engine extra installs it)")
     assert "torch" in heavy_modules_after("import torch")
 
 
 def test_dsv4_operator_never_imports_torch() -> None:
-    if importlib.util.find_spec("dsv4_operator.run") is None:
-        pytest.skip("dsv4_operator.run (the operator agent's `dsv4 operator`) does not exist yet")
     # Import the command's module and resolve its entry point, as `dsv4 operator` does before running.
     code = "import importlib\nm = importlib.import_module('dsv4_operator.run')\nassert callable(m.main)"
     assert heavy_modules_after(code) == []

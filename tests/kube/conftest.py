@@ -1,4 +1,4 @@
-"""Real tier: etcd + kube-apiserver + kube-controller-manager v1.20.2 on 127.0.0.1 (realkube.py,
+"""Real tier: etcd + kube-apiserver + kube-controller-manager v1.20.2 on 127.0.0.1 (suite/realkube.py,
 shared with tests/cluster), started once per session, with an audit log of every write; the operator
 runs as its own process (`dsv4 operator`).
 """
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -16,8 +15,8 @@ from dataclasses import dataclass
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))  # realkube.py, beside this file
-from realkube import (
+from suite import tools
+from suite.realkube import (
     Cluster,
     free_port,
     run_cluster,
@@ -28,18 +27,8 @@ from realkube import (
 
 @pytest.fixture(scope="session")
 def helm() -> str:
-    """helm for the tests that install the chart: DSV4_HELM, PATH, else scripts/get-helm.sh's cache."""
-    found = os.environ.get("DSV4_HELM") or shutil.which("helm")
-    if not found:
-        script = pathlib.Path(__file__).parents[2] / "scripts" / "get-helm.sh"
-        got = subprocess.run(["bash", str(script)], capture_output=True, text=True)
-        found = got.stdout.strip() if got.returncode == 0 else None
-    if not found:
-        reason = "these real-tier tests need helm: run scripts/get-helm.sh (or set DSV4_HELM)"
-        if os.environ.get("DSV4_REQUIRE_REAL_KUBE"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return found  # type: ignore[return-value]
+    """The pinned helm, for the tests that install the chart (suite/tools.py)."""
+    return tools.helm()
 
 
 @pytest.fixture(scope="session")

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import pytest
 import yaml
-from realkube import Cluster, _kubeconfig, free_port, stop_procs
 
 from dsv4_operator import webhook
+from suite.realkube import Cluster, _kubeconfig, free_port, stop_procs
 
 pytestmark = [pytest.mark.realk8s, pytest.mark.timeout(240)]
 

@@ -11,6 +11,7 @@ import torch
 
 from dsv4_engine import kernels
 from dsv4_engine.memory.staging import ALIGN, StagingArena, gather_pages, scatter_pages, staged_nbytes
+from suite import skips
 
 
 def pools(seed: int = 0) -> list[torch.Tensor]:
@@ -30,7 +31,7 @@ def packed_by_hand(buffers: list[torch.Tensor], pages: list[int]) -> bytes:
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_gather_packs_buffer_major_in_page_order(use_kernel: bool) -> None:
     if use_kernel and not kernels.available():
-        pytest.skip("no C++ compiler here")
+        skips.missing("the fused kernels did not build: no C++ compiler here")
     buffers, pages = pools(), [5, 2, 7]
     staged = torch.zeros(staged_nbytes(buffers, len(pages)), dtype=torch.uint8)
     ids = torch.tensor(pages, dtype=torch.long)
@@ -45,7 +46,7 @@ def test_gather_packs_buffer_major_in_page_order(use_kernel: bool) -> None:
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_scatter_writes_exactly_the_listed_pages(use_kernel: bool) -> None:
     if use_kernel and not kernels.available():
-        pytest.skip("no C++ compiler here")
+        skips.missing("the fused kernels did not build: no C++ compiler here")
     source, pages = pools(1), [3, 8, 1]
     staged = torch.frombuffer(bytearray(packed_by_hand(source, pages)), dtype=torch.uint8)
     target = pools(2)
@@ -64,7 +65,7 @@ def test_scatter_writes_exactly_the_listed_pages(use_kernel: bool) -> None:
 
 def test_kernel_refuses_what_the_copy_cannot_do() -> None:
     if not kernels.available():
-        pytest.skip("no C++ compiler here")
+        skips.missing("the fused kernels did not build: no C++ compiler here")
     buffers = pools()
     ok = torch.zeros(staged_nbytes(buffers, 2), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="outside buffer 0"):

@@ -1,20 +1,20 @@
 """Fixtures for the monitoring tests: Debian's `prometheus` package binaries (promtool, prometheus),
-installed by scripts/setup.sh. Absent, the tests that need them skip saying so, unless
-DSV4_REQUIRE_PROMETHEUS is set (then they fail)."""
+installed by scripts/setup.sh. Absent, the tests that need them skip saying so, unless the run is strict
+(tests/suite/skips.py: then they fail)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 
+from suite import skips
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "dsv4-operator"
 ALERTS = CHART / "files" / "alerts.yaml"
 DASHBOARD = CHART / "files" / "dashboard.json"
-REQUIRE_ENV = "DSV4_REQUIRE_PROMETHEUS"
 
 
 def _binary(name: str) -> str:
@@ -22,9 +22,7 @@ def _binary(name: str) -> str:
     if found:
         return found
     why = f"no {name} binary: install Debian's prometheus package (scripts/setup.sh: apt-get install prometheus)"
-    if os.environ.get(REQUIRE_ENV):
-        pytest.fail(f"{why}; {REQUIRE_ENV} is set")
-    pytest.skip(why)
+    skips.missing(why)
 
 
 @pytest.fixture(scope="session")

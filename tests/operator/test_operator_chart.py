@@ -28,6 +28,7 @@ import yaml
 from dsv4_operator import apply, run, webhook
 from dsv4_operator.config import Config
 from dsv4_operator.kube import plural
+from suite import tools
 
 ROOT = pathlib.Path(__file__).parents[2]
 CHART = ROOT / "charts" / "dsv4-operator"
@@ -82,15 +83,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def helm() -> str:
-    proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "get-helm.sh")], capture_output=True, text=True, timeout=300
-    )
-    if proc.returncode != 0:
-        reason = f"no helm binary (scripts/get-helm.sh failed: {proc.stderr.strip()[-300:]})"
-        if os.environ.get("DSV4_REQUIRE_HELM"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return proc.stdout.strip().splitlines()[-1]
+    return tools.helm()
 
 
 def template(helm: str, *args: str, release: str = "rel", namespace: str = NS) -> list[dict]:

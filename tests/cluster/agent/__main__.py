@@ -17,12 +17,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from . import netns
 from .api import Api
 from .images import known_images
 from .netpol import Enforcer
 from .pod import PodWorker
-from .relay import Relay
+from .relay import EgressProxy, Relay
 
 Obj = dict[str, Any]
 SYNC = 0.25  # seconds between pod lists: a small cluster, listed whole
@@ -66,6 +68,11 @@ def bind(api: Api, pod: Obj, node: str) -> None:
         log.info("bound %s/%s to %s", meta["namespace"], meta["name"], node)
     except (KeyError, FileExistsError):
         pass  # deleted or bound meanwhile
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code != 403:
+            raise
+        # Its namespace is being deleted (no new content there): the pod goes with it.
+        log.info("not binding %s/%s: %s", meta["namespace"], meta["name"], exc.response.json().get("message"))
 
 
 def main() -> None:
@@ -76,6 +83,11 @@ def main() -> None:
     ap.add_argument("--state-dir", required=True)
     ap.add_argument("--node-name", default="dsv4-test-node")
     ap.add_argument("--netns-prefix", default=f"dsv4c{os.getpid()}")
+    ap.add_argument("--operator-release", action="append", default=[],
+                    help="TAG=DIR: dsv4-operator:TAG is an earlier release (images.known_images)")  # fmt: skip
+    ap.add_argument(
+        "--egress-socket", help="serve the API server's egress (HTTP CONNECT) on this Unix socket"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -83,13 +95,17 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
-    api, images = Api(args.kubeconfig), known_images(dict(m.split("=", 1) for m in args.model))
+    releases = dict(r.split("=", 1) for r in args.operator_release)
+    api, images = Api(args.kubeconfig), known_images(dict(m.split("=", 1) for m in args.model), releases)
     net = netns.NodeNet(args.netns_prefix)
     workers: dict[str, PodWorker] = {}
     relay: Relay | None = None
+    egress: EgressProxy | None = None
     try:
         host, port = args.api.rsplit(":", 1)
         relay = Relay(net.path, (netns.API_SERVICE_IP, 443), (host, int(port)))
+        if args.egress_socket:
+            egress = EgressProxy(net.path, args.egress_socket)
         node_labels = register_node(api, args.node_name)["metadata"].get("labels") or {}
         root = Path(args.state_dir) / "pods"
         policy = Enforcer(api, net.name, Path(args.state_dir) / "netpol.json")
@@ -138,6 +154,8 @@ def main() -> None:
             worker.done.wait(60)
         if relay is not None:
             relay.close()
+        if egress is not None:
+            egress.close()
         net.close()
         log.info("agent stopped")
 

@@ -36,9 +36,15 @@ def kernel_cache() -> str:
     return path
 
 
-def known_images(models: dict[str, str]) -> dict[str, Image]:
-    """Keyed by repository basename (the part after the last '/', before the tag). `models`: the
-    checkpoints engine-cpu bakes in, by name, at /opt/dsv4/models/NAME."""
+RELEASE = "/opt/dsv4/release"  # where an earlier operator release's differences sit in its image
+
+
+def known_images(models: dict[str, str], operator_releases: dict[str, str] | None = None) -> dict[str, Image]:
+    """Keyed by repository basename (the part after the last '/', before the tag), or basename:tag
+    for a tag that differs. `models`: the checkpoints engine-cpu bakes in, by name, at
+    /opt/dsv4/models/NAME. `operator_releases`: tag -> a folder holding an earlier operator release's
+    differences from this one (`site/`, first on PYTHONPATH: its dist-info, so the operator reports
+    that version; `crd.yaml`: the CRD that release bundled), for `dsv4-operator:TAG`."""
     engine_env = _base_env() | {
         "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
         # Several pods share two cores: one intra-op thread each, as a CPU limit of 1 would give.
@@ -53,9 +59,16 @@ def known_images(models: dict[str, str]) -> dict[str, Image]:
             ("dsv4",), engine_env, {f"/opt/dsv4/models/{n}": d for n, d in models.items()}, caches
         ),
         "dsv4-operator": Image(("dsv4", "operator"), _base_env()),
+    } | {
+        f"dsv4-operator:{tag}": Image(
+            ("dsv4", "operator"),
+            _base_env() | {"PYTHONPATH": f"{RELEASE}/site", "DSV4_CRD_PATH": f"{RELEASE}/crd.yaml"},
+            {RELEASE: d},
+        )
+        for tag, d in (operator_releases or {}).items()
     }
 
 
 def lookup(images: dict[str, Image], ref: str) -> Image | None:
-    name = ref.rsplit("/", 1)[-1].split("@", 1)[0].split(":", 1)[0]
-    return images.get(name)
+    name = ref.rsplit("/", 1)[-1].split("@", 1)[0]
+    return images.get(name) or images.get(name.split(":", 1)[0])

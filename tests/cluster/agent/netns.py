@@ -21,6 +21,7 @@ GATEWAY = "10.244.0.1"  # the bridge: pods' default route, the node's InternalIP
 # The API server's cluster IP (first address of --service-cluster-ip-range): its serving certificate
 # names it, so in-cluster clients verify TLS as on a real cluster. The relay listens there.
 API_SERVICE_IP = "10.0.0.1"
+BRIDGE_MAC = "02:00:0a:f4:00:01"  # locally administered, the gateway's address in it
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -89,7 +90,10 @@ class NodeNet:
         delete(self.name)
         ip("netns", "add", self.name)
         ip("-n", self.name, "link", "set", "lo", "up")
-        ip("-n", self.name, "link", "add", "br0", "type", "bridge")
+        # A fixed address: a bridge without one takes the lowest of its ports' (random) addresses, so
+        # a new pod's veth could change it, and every pod's ARP entry for the gateway would point at
+        # another pod's port until it expired (the node's probes unanswered for half a minute).
+        ip("-n", self.name, "link", "add", "br0", "address", BRIDGE_MAC, "type", "bridge")
         ip("-n", self.name, "addr", "add", f"{GATEWAY}/{POD_CIDR.prefixlen}", "dev", "br0")
         ip("-n", self.name, "addr", "add", f"{API_SERVICE_IP}/32", "dev", "br0")
         ip("-n", self.name, "link", "set", "br0", "up")

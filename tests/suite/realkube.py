@@ -2,8 +2,8 @@
 kube-controller-manager v1.20.2 on 127.0.0.1, with an audit log of every write.
 
 Binaries: DSV4_KUBE_APISERVER / DSV4_KUBE_CONTROLLER_MANAGER / DSV4_ETCD, else the cache that
-scripts/build-kube.sh fills, else etcd on PATH. Without them the tier is skipped, unless
-DSV4_REQUIRE_REAL_KUBE is set (CI), where it fails.
+scripts/build-kube.sh fills, else etcd on PATH; kubectl is the pinned one (suite/tools.py). Without
+them the tier is skipped, unless the run is strict (the test command's), where it fails.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 import yaml
 
 from dsv4_operator.crd import crd_yaml
+from suite import skips, tools
 
 VERSION = "v1.20.2"
 ADMIN_TOKEN, OPERATOR_TOKEN = "dsv4-test-admin", "dsv4-test-operator"
@@ -56,15 +56,13 @@ def binaries() -> dict[str, str]:
         "apiserver": _binary("DSV4_KUBE_APISERVER", "kube-apiserver"),
         "controller-manager": _binary("DSV4_KUBE_CONTROLLER_MANAGER", "kube-controller-manager"),
         "etcd": _binary("DSV4_ETCD", "etcd"),
-        "kubectl": os.environ.get("KUBECTL") or shutil.which("kubectl"),
     }
     missing = [k for k, v in found.items() if not v]
     if missing:
-        reason = f"real-kube tier needs {', '.join(missing)}: run scripts/build-kube.sh (or set DSV4_KUBE_*)"
-        if os.environ.get("DSV4_REQUIRE_REAL_KUBE"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return found  # type: ignore[return-value]
+        skips.missing(
+            f"real-kube tier needs {', '.join(missing)}: run scripts/build-kube.sh (or set DSV4_KUBE_*)"
+        )
+    return {**found, "kubectl": tools.kubectl()}  # type: ignore[dict-item]
 
 
 def free_port() -> int:
@@ -181,9 +179,24 @@ def _readyz(server: str) -> bool:
         return resp.status == 200
 
 
+EGRESS = """apiVersion: apiserver.k8s.io/v1beta1
+kind: EgressSelectorConfiguration
+egressSelections:
+  - name: cluster
+    connection:
+      proxyProtocol: HTTPConnect
+      transport:
+        uds:
+          udsName: {socket}
+"""
+
+
 @contextlib.contextmanager
-def run_cluster(d: pathlib.Path) -> Iterator[Cluster]:
-    """etcd, kube-apiserver (audit log of writes) and kube-controller-manager in `d`; the CRD applied."""
+def run_cluster(d: pathlib.Path, egress_socket: pathlib.Path | None = None) -> Iterator[Cluster]:
+    """etcd, kube-apiserver (audit log of writes) and kube-controller-manager in `d`; the CRD applied.
+
+    egress_socket: the API server reaches the cluster network (webhooks, by Service: resolved to a
+    Ready endpoint) through an HTTP CONNECT proxy listening there (tests/cluster's node agent)."""
     bins = binaries()
     procs: list[subprocess.Popen] = []
     try:
@@ -201,7 +214,14 @@ def run_cluster(d: pathlib.Path) -> Iterator[Cluster]:
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
                 "--initial-cluster", f"default=http://127.0.0.1:{peer_port}"], d / "etcd.log", procs)  # fmt: skip
         audit_log = d / "audit.log"
-        _start([bins["apiserver"], f"--etcd-servers=http://127.0.0.1:{etcd_port}", "--bind-address=127.0.0.1",
+        egress = []
+        if egress_socket is not None:
+            (d / "egress.yaml").write_text(EGRESS.format(socket=egress_socket))
+            egress = [
+                f"--egress-selector-config-file={d / 'egress.yaml'}",
+                "--enable-aggregator-routing=true",
+            ]
+        _start([bins["apiserver"], *egress, f"--etcd-servers=http://127.0.0.1:{etcd_port}", "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1", f"--secure-port={api_port}", f"--cert-dir={d / 'certs'}",
                 f"--token-auth-file={d / 'tokens.csv'}", "--authorization-mode=RBAC",
                 "--service-account-issuer=https://kubernetes.default.svc",
