@@ -222,7 +222,8 @@ def transfer_host(settings: Any) -> str:
 
 async def setup(ctx: ServerContext, engine: Any) -> None:
     """Build the role's half after the engine loaded: transport, fingerprint, bootstrap or receiver."""
-    from dsv4_engine.disagg.fingerprint import checkpoint_digest, layout_fingerprint
+    from dsv4_engine.disagg.checkpoint import checkpoint_digest
+    from dsv4_engine.disagg.fingerprint import layout_fingerprint
     from dsv4_engine.disagg.transfer import MooncakeTransport, transfer_hostname
 
     s = ctx.settings
