@@ -224,7 +224,7 @@ async def setup(ctx: ServerContext, engine: Any) -> None:
     """Build the role's half after the engine loaded: transport, fingerprint, bootstrap or receiver."""
     from dsv4_engine.disagg.checkpoint import checkpoint_digest
     from dsv4_engine.disagg.fingerprint import layout_fingerprint
-    from dsv4_engine.disagg.transfer import MooncakeTransport, transfer_hostname
+    from dsv4_engine.disagg.mooncake import MooncakeTransport, transfer_hostname
 
     s = ctx.settings
     loop = asyncio.get_running_loop()
