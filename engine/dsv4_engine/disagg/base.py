@@ -6,8 +6,8 @@ what a transport backend does.
   both halves ──EngineCalls──▶ the engine thread ──PdEngine──▶ pools, tables, scheduler
 
 Data flows one way: the server hands a side each PD sequence and reads back a future or an
-exception; a side reaches the engine only through `EngineCalls` (one thread owns the engine), and
-the engine reaches the prefill side only through the step observer it was given.
+exception. A side calls the engine only on the engine thread, through `EngineCalls` or from the
+step observer the engine calls after each step; the engine knows nothing of PD beyond that observer.
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ class Transport(Protocol):
 
 
 class PdEngine(Protocol):
-    """What disagg/ needs of the engine. Reads of the pools' layout are safe from any thread; every
-    call below runs on the engine thread (EngineCalls), except `payloads` from a step observer."""
+    """What disagg/ needs of the engine. Every method runs on the engine thread (EngineCalls, or
+    the step observer); the pools' buffers and pointers are fixed, so any thread may read them, and
+    a side may copy into pages only it holds (a reserved row before admission)."""
 
     kv_pool: Dsv4TokenToKVPool  # pd_state_components(), buffers_by_type(), device
     req_pool: Dsv4ReqToTokenPool  # one aux slot per request row
@@ -119,11 +120,11 @@ class PdEngine(Protocol):
 class EngineCalls(Protocol):
     """The one way into the engine from the loop or another thread (server/bridge.EngineBridge)."""
 
-    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
+    def call(self, fn: Callable[[PdEngine], object]) -> concurrent.futures.Future[Any]:
         """Run fn(engine) on the engine thread between steps; do not wait."""
         ...
 
-    async def run(self, fn: Callable[[Any], T]) -> T:
+    async def run(self, fn: Callable[[PdEngine], T]) -> T:
         """Run fn(engine) on the engine thread between steps and await its result."""
         ...
 
