@@ -58,18 +58,16 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch
 
+from dsv4_engine.disagg.mooncake import DEFAULT_MAX_ENTRIES, MooncakeTransport, apply_env_defaults
 from dsv4_engine.disagg.protocol import stage_segments, staged_bytes
 from dsv4_engine.disagg.transfer import (
     COSTS,
-    DEFAULT_MAX_ENTRIES,
     PACKING,
     PIECES,
     UNPACKING,
     Costs,
     Entries,
-    MooncakeTransport,
     WriteShape,
-    apply_env_defaults,
     choose_write,
     path_label,
     plan_packed,

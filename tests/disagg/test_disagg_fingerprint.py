@@ -1,4 +1,5 @@
-"""The PD layout fingerprint and the checkpoint digest inside it (engine/dsv4_engine/disagg/fingerprint.py)."""
+"""The PD layout fingerprint and the checkpoint digest inside it (engine/dsv4_engine/disagg/fingerprint.py,
+checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dsv4_engine.disagg.checkpoint import checkpoint_digest, checkpoint_report
 from dsv4_engine.disagg.fingerprint import (
-    checkpoint_digest,
-    checkpoint_report,
     fingerprint_diff,
     fingerprint_id,
     layout_fingerprint,

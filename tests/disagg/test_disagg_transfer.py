@@ -18,19 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_engine.disagg.transfer import (
+from dsv4_engine.disagg.base import TransferError
+from dsv4_engine.disagg.mooncake import (
     DEFAULT_MAX_ENTRIES,
     MOONCAKE_ENV_DEFAULTS,
-    Entries,
     MooncakeTransport,
-    PayloadMismatch,
-    TransferError,
     apply_env_defaults,
-    contiguous_runs,
-    plan_writes,
     session_host,
     transfer_hostname,
 )
+from dsv4_engine.disagg.transfer import Entries, PayloadMismatch, contiguous_runs, plan_writes
 from dsv4_engine.memory import StateComponent, StateType
 
 PEER = Path(__file__).with_name("transfer_peer.py")
@@ -239,9 +236,9 @@ def test_a_write_whose_own_process_stalled_past_the_deadline_still_lands(monkeyp
     the peer's, so its entries are waited for, not abandoned (the late write must land)."""
     import time
 
-    from dsv4_engine.disagg import transfer
+    from dsv4_engine.disagg.mooncake import transfer_engine
 
-    monkeypatch.setattr(transfer, "STALL_SECONDS", 0.1)
+    monkeypatch.setattr(transfer_engine, "STALL_SECONDS", 0.1)
     engine = ScriptedEngine([1], polls=2)
     check = engine.transfer_check_status
     stalled: list[int] = []
@@ -284,7 +281,10 @@ def test_env_defaults_never_override_the_user() -> None:
 
 
 def test_importing_the_module_loads_neither_mooncake_nor_torch() -> None:
-    code = "import sys, dsv4_engine.disagg.transfer; print(sorted({'mooncake', 'torch'} & set(sys.modules)))"
+    code = (
+        "import sys, dsv4_engine.disagg.transfer, dsv4_engine.disagg.mooncake; "
+        "print(sorted({'mooncake', 'torch'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

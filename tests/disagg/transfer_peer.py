@@ -14,7 +14,7 @@ import ctypes
 import json
 import sys
 
-from dsv4_engine.disagg.transfer import MooncakeTransport
+from dsv4_engine.disagg.mooncake import MooncakeTransport
 
 
 def main(size: int, fill: int) -> int:

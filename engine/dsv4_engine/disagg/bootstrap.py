@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsv4_engine.disagg.fingerprint import fingerprint_diff, fingerprint_id
-from dsv4_engine.disagg.prefill import DecodeSession, PrefillRooms
+from dsv4_engine.disagg.prefill import PrefillRooms
 from dsv4_engine.disagg.protocol import PdError
+from dsv4_engine.disagg.room import DecodeSession
 from dsv4_engine.memory import StateType
 
 log = logging.getLogger("dsv4.pd.bootstrap")
@@ -119,7 +120,6 @@ def create_bootstrap_app(rooms: PrefillRooms, *, rank: int = 0) -> FastAPI:
             r = rooms.set_destination(room, body.decode_id, body.pages, body.aux_index, span)
         except PdError as err:
             return _error(err)
-        assert r.result is not None
         done = asyncio.ensure_future(asyncio.shield(r.result))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -155,6 +155,8 @@ async def _disconnected(request: Request) -> None:
 class BootstrapServer(uvicorn.Server):
     """uvicorn on the API server's loop; signals stay with the API server, which drains both."""
 
+    task: asyncio.Task[None]  # serving; set by serve_bootstrap
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
@@ -173,5 +175,5 @@ async def serve_bootstrap(app: FastAPI, host: str, port: int) -> BootstrapServer
             task.result()  # re-raises the bind error
             raise OSError(f"bootstrap server on {host}:{port} stopped before it started")
         await asyncio.sleep(0.01)
-    server.task = task  # type: ignore[attr-defined]
+    server.task = task
     return server

@@ -1,12 +1,13 @@
 """The decode side: pair with a prefill server, reserve pages, receive the state, admit as running.
 
 One task per PD sequence (`receive`), in order:
-1. the prefill peer: `/route` once (layout fingerprint compared: a mismatch fails the request naming
-   the field), the session registered once (destination pointers), a heartbeat on its /health;
+1. the prefill peer (decode_peers.py): `/route` once (layout fingerprint compared: a mismatch fails
+   the request naming the field), the session registered once (destination pointers), a heartbeat;
 2. claim the room (prompt digest, checked on both sides);
-3. reserve the request's pages and tables (the decode request pool), queueing while pages are short:
-   at most `max_queued` wait, beyond that 503 with Retry-After; and a span of the staging arena
-   that holds all of them packed, when one is free (else the prefill writes every page directly);
+3. reserve the request's pages and tables (the decode request pool), queueing while pages are short
+   (server/state.py bounds those with the engine's queue by --max-waiting: beyond, 503 with
+   Retry-After); and a span of the staging arena that holds all of them packed, when one is free
+   (else the prefill writes every page directly);
 4. send the destination pages (and the span) and wait for the transfer, bounded from admission by
    the waiting timeout, and ended sooner by the heartbeat declaring the peer dead or by a
    connection error;
@@ -23,13 +24,15 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import httpx
 
-from dsv4_engine.disagg.fingerprint import fingerprint_diff, prompt_digest
+from dsv4_engine.disagg.base import EngineCalls, PdEngine, PdMetrics, Transport
+from dsv4_engine.disagg.decode_peers import PrefillPeer, PrefillPeers
+from dsv4_engine.disagg.faults import FaultHooks
+from dsv4_engine.disagg.fingerprint import prompt_digest
 from dsv4_engine.disagg.protocol import (
     PdError,
     PdTarget,
@@ -42,70 +45,58 @@ from dsv4_engine.disagg.protocol import (
 )
 from dsv4_engine.memory import OutOfPages, StateType
 from dsv4_engine.memory.staging import StagingArena, scatter_pages
+from dsv4_engine.sampling_params import SamplingParams
 
 log = logging.getLogger("dsv4.pd.decode")
 
-HEARTBEAT_TIMEOUT = 5.0  # seconds one health check of a prefill's bootstrap endpoint may take
-
-
-@dataclass
-class PrefillPeer:
-    address: str
-    client: httpx.AsyncClient
-    fingerprint: dict[str, Any] | None = None
-    dead: asyncio.Event = field(default_factory=asyncio.Event)
-    reason: str = ""
-    heartbeat: asyncio.Task[None] | None = None
-    ready: asyncio.Future[None] | None = None
-
 
 class DecodeReceiver:
+    """The decode server's half (base.DecodeSide): every PD sequence's pages, transfer and admission."""
+
     def __init__(
         self,
-        engine: Any,
-        bridge: Any,
-        transport: Any,
+        engine: PdEngine,
+        bridge: EngineCalls,
+        transport: Transport,
         *,
         fingerprint: dict[str, Any],
         waiting_timeout: float,
         heartbeat_interval: float,
         heartbeat_failures: int,
         quarantine: float,
-        max_queued: int,
-        metrics: Any,
-        poison: bool = False,
+        metrics: PdMetrics,
         staging: StagingArena | None = None,
+        faults: FaultHooks | None = None,
     ) -> None:
         self.engine = engine
         self.bridge = bridge
-        self.transport = transport
-        self.fingerprint = fingerprint
         self.waiting_timeout = waiting_timeout
-        self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_failures = heartbeat_failures
+        self.heartbeat_interval = heartbeat_interval  # also how often a queued sequence renews its claim
         self.quarantine = quarantine
-        self.max_queued = max_queued
         self.metrics = metrics
-        self.poison = poison
+        self.faults = faults
         self.decode_id = uuid.uuid4().hex
-        self.peers: dict[str, PrefillPeer] = {}
         self.queued = 0  # waiting for pages
         self.receiving = 0  # pages reserved, waiting for the transfer
         self.quarantined = 0  # requests whose pages are out of the free lists for a while
         self.pages_freed = asyncio.Event()
-        self.checksums: dict[int, dict[str, str]] | None = {} if poison else None  # test hook
         self._tasks: set[asyncio.Task[Any]] = set()  # fire-and-forget work, kept alive until done
-        rows = engine.allocator.req_pool.req_to_token.shape[0]
+        rows = engine.req_pool.req_to_token.shape[0]
         self.staging = staging  # one span per room being received; freed with (or after) its pages
         components, self.aux = register_state(transport, engine.kv_pool, rows, staging)
-        self.dst_ptrs = {c.state_type: c.data_ptrs for c in components}
+        session = {
+            "mooncake_session": transport.session_id,
+            "dst_ptrs": {str(c.state_type): c.data_ptrs for c in components},
+            "aux_ptr": self.aux.data_ptr(),
+            "fingerprint": fingerprint,
+            "staging_ptr": staging.data_ptr if staging is not None else None,
+        }
+        self.peers = PrefillPeers(
+            self.decode_id, session, fingerprint=fingerprint, heartbeat_interval=heartbeat_interval,
+            heartbeat_failures=heartbeat_failures, metrics=metrics,
+        )  # fmt: skip
 
-    def spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors here are expected
-
+    # ---- base.DecodeSide (loop) --------------------------------------------------------------
     def depths(self) -> dict[str, int]:
         spans = self.staging.spans if self.staging is not None else 0
         return {
@@ -115,122 +106,37 @@ class DecodeReceiver:
             "staging": spans,
         }
 
-    def full(self) -> bool:
-        return self.queued >= self.max_queued
-
     def pages_may_be_free(self) -> None:
-        """Called on the loop after every engine step: pages may have been freed."""
         self.pages_freed.set()
 
-    async def refuse(self, target: PdTarget, reason: str, message: str) -> None:
+    def refuse(self, target: PdTarget, reason: str, message: str) -> None:
         """Abort a room this server will not take (queue full, draining), so the prefill ends it."""
-        await self._delete(target, reason, message)
-
-    async def _delete(self, target: PdTarget, reason: str, message: str) -> bool:
-        """DELETE the room at its prefill; True if a write may still land (or nobody answered)."""
-        body = {"decode_id": self.decode_id, "reason": reason, "message": message}
-        peer = self.peers.get(target.address)
-        try:
-            if peer is not None and not peer.dead.is_set():
-                r = await peer.client.request("DELETE", f"/rooms/{target.room}", json=body, timeout=5.0)
-            else:
-                async with httpx.AsyncClient(base_url=f"http://{target.address}", timeout=5.0) as client:
-                    r = await client.request("DELETE", f"/rooms/{target.room}", json=body)
-            return bool(r.json().get("writing", True))
-        except (httpx.HTTPError, ValueError) as exc:
-            log.info("could not abort room %d at %s: %r", target.room, target.address, exc)
-            return True
-
-    # ---- peers -------------------------------------------------------------------------------
-    async def peer(self, target: PdTarget) -> PrefillPeer:
-        peer = self.peers.get(target.address)
-        if peer is not None and peer.dead.is_set():
-            self.peers.pop(target.address, None)
-            peer = None
-        if peer is None:
-            client = httpx.AsyncClient(base_url=f"http://{target.address}", timeout=httpx.Timeout(10.0))
-            peer = PrefillPeer(target.address, client)
-            peer.ready = asyncio.ensure_future(self._connect(peer))
-            self.peers[target.address] = peer
-        assert peer.ready is not None
-        try:
-            await asyncio.shield(peer.ready)
-        except PdError:
-            if self.peers.get(target.address) is peer:
-                del self.peers[target.address]
-            raise
-        return peer
-
-    async def _connect(self, peer: PrefillPeer) -> None:
-        started = time.monotonic()
-        try:
-            route = (await peer.client.get("/route")).json()
-            diff = fingerprint_diff(self.fingerprint, route["fingerprint"])
-            if diff is not None:
-                raise PdError("layout_mismatch", f"decode refuses prefill {peer.address}: {diff}")
-            body = {
-                "mooncake_session": self.transport.session_id,
-                "dst_ptrs": {str(t): p for t, p in self.dst_ptrs.items()},
-                "aux_ptr": self.aux.data_ptr(),
-                "fingerprint": self.fingerprint,
-                "staging_ptr": self.staging.data_ptr if self.staging is not None else None,
-            }
-            r = await peer.client.put(f"/sessions/{self.decode_id}", json=body)
-            if r.status_code != 200:
-                raise PdError.from_body(r.json())
-        except PdError as err:
-            self.metrics.pd_failures.labels(err.reason).inc()
-            raise
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            self.metrics.pd_failures.labels("bootstrap_unreachable").inc()
-            raise PdError(
-                "bootstrap_unreachable", f"prefill bootstrap {peer.address} unreachable: {exc}"
-            ) from exc
-        peer.fingerprint = route["fingerprint"]
-        self.metrics.pd_handshake_seconds.observe(time.monotonic() - started)
-        peer.heartbeat = asyncio.ensure_future(self._heartbeat(peer))
-
-    async def _heartbeat(self, peer: PrefillPeer) -> None:
-        misses = 0
-        while not peer.dead.is_set():
-            await asyncio.sleep(self.heartbeat_interval)
-            try:
-                # A check waits at least HEARTBEAT_TIMEOUT: a busy prefill answers late, not never.
-                r = await peer.client.get("/health", timeout=max(self.heartbeat_interval, HEARTBEAT_TIMEOUT))
-                misses = 0 if r.status_code == 200 else misses + 1
-            except httpx.HTTPError:
-                misses += 1
-            if misses >= self.heartbeat_failures:
-                self._declare_dead(peer, f"Lost connection with prefill instance {peer.address}")
-
-    def _declare_dead(self, peer: PrefillPeer, reason: str) -> None:
-        if peer.dead.is_set():
-            return
-        log.warning("%s: failing its rooms", reason)
-        peer.reason = reason
-        peer.dead.set()
-        if self.peers.get(peer.address) is peer:
-            del self.peers[peer.address]
+        self.spawn(self.peers.delete(target, reason, message))
 
     async def close(self) -> None:
-        for peer in list(self.peers.values()):
-            if peer.heartbeat is not None:
-                peer.heartbeat.cancel()
-            await peer.client.aclose()
-        self.peers.clear()
+        await self.peers.close()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors here are expected
 
     # ---- one sequence ------------------------------------------------------------------------
-    async def receive(self, request_id: str, target: PdTarget, prompt_ids: list[int], params: Any) -> None:
-        """Bring the sequence's state over and admit it; raises PdError (pages already given back)."""
+    async def receive(
+        self, request_id: str, target: PdTarget, prompt_ids: list[int], params: SamplingParams
+    ) -> None:
         digest = prompt_digest(prompt_ids)
         req_idx: int | None = None
         span: tuple[int, int] | None = None  # (offset, bytes) in the staging arena
         peer: PrefillPeer | None = None
         may_land = False  # the prefill may have our page lists, so a write may land in them
         try:
-            peer = await self.peer(target)
-            await self._claim(peer, target, digest)
-            req_idx, pages = await self._reserve(len(prompt_ids), lambda: self._claim(peer, target, digest))
+            peer = await self.peers.get(target)
+            await self.peers.claim(peer, target, digest)
+            req_idx, pages = await self._reserve(
+                len(prompt_ids), lambda: self.peers.claim(peer, target, digest)
+            )
             span = self._stage_span(pages)
             may_land = True
             self.receiving += 1
@@ -244,9 +150,9 @@ class DecodeReceiver:
             finally:
                 self.receiving -= 1
             self.metrics.pd_transfer_seconds.observe(time.monotonic() - admitted)
-            if self.checksums is not None:
+            if self.faults is not None:
                 kv = self.engine.kv_pool
-                self.checksums[target.room] = await self.bridge.run(lambda e: page_digests(kv, pages))
+                self.faults.checksums[target.room] = await self.bridge.run(lambda e: page_digests(kv, pages))
             token, state = unpack_aux(self.aux[req_idx])
             first, prompt = read_logprobs(answer.get("logprobs"), params, prompt_ids, token)
             args = (request_id, prompt_ids, params, req_idx, token, state)
@@ -269,31 +175,18 @@ class DecodeReceiver:
                 assert self.staging is not None
                 self.staging.free(span[0])
 
-    async def _claim(self, peer: PrefillPeer, target: PdTarget, digest: str) -> None:
-        try:
-            r = await peer.client.put(
-                f"/rooms/{target.room}", json={"decode_id": self.decode_id, "prompt_digest": digest}
-            )
-        except httpx.HTTPError as exc:
-            raise PdError(
-                "bootstrap_unreachable", f"claiming room {target.room} at {peer.address}: {exc}"
-            ) from exc
-        if r.status_code != 200:
-            err = PdError.from_body(r.json())
-            err.status = 400 if err.reason in ("room_in_use", "prompt_mismatch") else 502
-            raise err
-
     async def _reserve(
         self, prompt_len: int, renew: Callable[[], Awaitable[None]]
     ) -> tuple[int, dict[StateType, list[int]]]:
         """Pages and tables for the prompt; waits (queued) while the pools are short. Only a request
         that found the pools short counts as queued: --max-waiting bounds those, not arrivals."""
         queued = False
+        poison = self.faults is not None and self.faults.poison
         try:
             while True:
                 self.pages_freed.clear()
                 try:
-                    return await self.bridge.run(lambda e: e.prealloc(prompt_len, poison=self.poison))
+                    return await self.bridge.run(lambda e: e.prealloc(prompt_len, poison=poison))
                 except OutOfPages:
                     if not queued:
                         queued = True
@@ -377,7 +270,7 @@ class DecodeReceiver:
             r = post.result()
         except httpx.HTTPError as exc:
             # A refused or reset connection: the prefill process is gone (sooner than the heartbeat).
-            self._declare_dead(peer, f"Lost connection with prefill instance {peer.address}: {exc!r}")
+            self.peers.declare_dead(peer, f"Lost connection with prefill instance {peer.address}: {exc!r}")
             raise PdError(
                 "prefill_dead", f"prefill {peer.address} went away during room {target.room}"
             ) from exc
@@ -393,7 +286,7 @@ class DecodeReceiver:
         reason = exc.reason if isinstance(exc, PdError) else "client_gone"
         if peer is not None and peer.dead.is_set():
             return True  # nobody to ask: assume the worst
-        return await self._delete(target, reason, str(exc) or reason)
+        return await self.peers.delete(target, reason, str(exc) or reason)
 
     def _release(self, req_idx: int, span: tuple[int, int] | None, *, quarantine: bool) -> None:
         loop = asyncio.get_running_loop()

@@ -29,12 +29,17 @@ import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsv4_engine.memory import Dsv4TokenToKVPool, StateComponent, StateType
 from dsv4_engine.memory.staging import StagingArena, staged_nbytes
 from dsv4_engine.sampler import TokenLogprobs
+from dsv4_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dsv4_engine.disagg.base import Transport
 
 # Bytes of one request's aux slot: int64 first token, int64 generator-state length, the state
 # (5056 bytes for torch's CPU Mersenne Twister, 16 on CUDA), padded.
@@ -89,8 +94,8 @@ class PdTarget:
 
 
 def register_state(
-    transport: Any, kv_pool: Any, rows: int, staging: StagingArena | None = None
-) -> tuple[list[Any], torch.Tensor]:
+    transport: Transport, kv_pool: Dsv4TokenToKVPool, rows: int, staging: StagingArena | None = None
+) -> tuple[list[StateComponent], torch.Tensor]:
     """Register every buffer of `pd_state_components()`, an aux slot per request row and the staging
     arena (if any) with the transport, once: the same on both sides (the prefill reads from them,
     the decode is written)."""
@@ -106,15 +111,15 @@ def register_state(
     return components, aux
 
 
-def staged_bytes(kv_pool: Any, pages: dict[Any, list[int]]) -> int:
+def staged_bytes(kv_pool: Dsv4TokenToKVPool, pages: dict[StateType, list[int]]) -> int:
     """Bytes the pages of every listed state type take packed (memory.staging's layout)."""
     buffers = kv_pool.buffers_by_type()
     return sum(staged_nbytes(buffers[t], sum(1 for p in ids if p)) for t, ids in pages.items())
 
 
 def stage_segments(
-    kv_pool: Any,
-    segments: list[tuple[Any, list[int]]],
+    kv_pool: Dsv4TokenToKVPool,
+    segments: list[tuple[StateType, list[int]]],
     span: torch.Tensor,
     copy: Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None],
 ) -> int:
@@ -137,7 +142,7 @@ def stage_segments(
     return at
 
 
-def page_digests(kv_pool: Any, pages: dict[Any, list[int]]) -> dict[str, str]:
+def page_digests(kv_pool: Dsv4TokenToKVPool, pages: dict[StateType, list[int]]) -> dict[str, str]:
     """sha256 per state type of the bytes of `pages` (list order, sentinels skipped) in every buffer
     of that type: equal on both sides exactly when the transfer copied every byte (test hook)."""
     import hashlib
@@ -216,7 +221,7 @@ def logprobs_body(first: TokenLogprobs | None, prompt: list[TokenLogprobs] | Non
 
 
 def read_logprobs(
-    body: Any, params: Any, prompt_ids: list[int], first_token: int
+    body: dict[str, Any] | None, params: SamplingParams, prompt_ids: list[int], first_token: int
 ) -> tuple[TokenLogprobs | None, list[TokenLogprobs] | None]:
     """The logprobs of `logprobs_body` the request asked for, checked against what the decode knows
     (the first token, the prompt): a missing or mismatched list fails the request, never a guess."""

@@ -1,63 +1,22 @@
-"""Moving a request's paged state between PD peers: write plans and the Mooncake transport.
+"""Planning a write of a request's paged state, and choosing its path by a cost model.
 
 `plan_writes` pairs the sender's and the receiver's page lists (both built by `dsv4_state_payloads`
-on their own request row) index by index and turns them into Mooncake's three parallel lists, one
+on their own request row) index by index and turns them into a transport's three parallel lists, one
 entry per contiguous run of pages per buffer; `plan_packed` plans one side's runs against a packed
 staging span instead, and `split_pieces` cuts a packed write into pieces. `choose_write`, a cost
 model with measured constants (`COSTS`), picks each write's path: direct, staged, pack_only or
-unpack_only, pipelined or not. `MooncakeTransport` registers the pools and performs the writes over
-Mooncake's TransferEngine (P2P handshake: no metadata server).
+unpack_only, pipelined or not. Pure Python: the transport that performs the writes is a backend
+(mooncake/).
 """
 
 from __future__ import annotations
 
-import os
-import re
-import socket
-import time
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only for annotations: importing this module must not pull in torch
     from dsv4_engine.memory import StateComponent, StateType
-
-# Entries in flight at once (MooncakeTransport.write waits for each group of this many). The TCP
-# transport fails entries beyond the per-peer queued + pending limits (1024 + 1024 unless raised,
-# "queue-full", rc -1), and the part it admitted keeps the peer's queue full for ~1 s
-# (MC_TCP_ADMISSION_TIMEOUT_MS), failing the writes after it too; 1024 fits even Mooncake's own
-# limits. Entries cost ~10-40 us each whatever their size, so groups of 1024 cost nothing measurable
-# over one big group (64 per group: ~3% slower).
-DEFAULT_MAX_ENTRIES = 1024
-
-# How a write waits. Mooncake's own waits (batch_transfer_sync_write, get_batch_transfer_status)
-# spin on the batch's status without yielding: on 2 shared cores that spinning thread takes a core
-# from the two TCP threads (sender's and receiver's) that do the copying. So each entry is submitted
-# as its own batch (transfer_submit_write) and polled (transfer_check_status, which never blocks),
-# sleeping between polls. bench/pd_transfer.py, 2 cores, one 3.92 MiB entry, interleaved: quiet,
-# 1.05-1.23 ms polled against 1.21-1.46 ms synchronous (p90 1.7 against 3.0 ms); with another job
-# on the machine, 2.0 against 3.9 ms (the sync caller burnt 2.1 ms of CPU, the poller 0.14).
-POLL_SECONDS = 50e-6  # ~0.1 ms between polls with Linux's 50 us timer slack; a 4 KiB write ~70 us
-# A gap this long between two polls means this process was not running: it does not count against
-# the deadline (a prefill stopped mid-write must still land its write once it resumes).
-STALL_SECONDS = 0.5
-
-# Set before the engine exists, only where the user has not (TcpTransport reads them when created;
-# the slice size once per process). bench/pd_transfer.py, small preset, one 4096-token request
-# (3.9 MiB), 2 shared cores, loopback, 0.3.13.post1:
-# - lanes (connections per peer, 1..16, default 4), all interleaved in one run: fragmented pools
-#   (302 entries) 0.48 / 0.59 / 0.63 GB/s for 1 / 4 / 16 lanes; fresh pools (23 entries) the same
-#   within noise (1.8-2.3 GB/s, two runs);
-# - slice (bytes a lane sends before the next, default 64 KiB): fresh pools 1.6 GB/s at 64 KiB,
-#   2.3 at 1 MiB, 2.1 at 4 MiB (three alternated runs each); peers with different slices interoperate;
-# - queue limits: 8 concurrent batches of DEFAULT_MAX_ENTRIES to one peer instead of 2.
-MOONCAKE_ENV_DEFAULTS: dict[str, str] = {
-    "MC_TCP_LANES_PER_PEER": "16",
-    "MC_TCP_SLICE_SIZE": str(1 << 20),
-    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192",
-    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "8192",
-}
 
 
 # ---- the cost model: which path one write takes --------------------------------------------------
@@ -72,7 +31,7 @@ MOONCAKE_ENV_DEFAULTS: dict[str, str] = {
 #   unpack_only  an entry per run of the *prefill's* pages into the decode's span, the decode
 #                unpacks: the source is contiguous.
 # A path that packs can be pipelined: cut into pieces, piece k+1 is packed while piece k is on the
-# wire (MooncakeTransport.write_pipelined).
+# wire (Transport.write_pipelined).
 PATHS = ("direct", "staged", "pack_only", "unpack_only")
 PACKING = ("staged", "pack_only")  # the prefill packs: needs its arena
 UNPACKING = ("staged", "unpack_only")  # the decode unpacks: needs a staging span of its own
@@ -93,8 +52,8 @@ class Costs:
 
 # Medians of eight runs of bench/pd_transfer.py with the polled write (its "cost model" table), overlap
 # kept from the runs before it (0.4, of five): small preset, one 4096-token request (3.92 MiB),
-# loopback, Mooncake 0.3.13.post1 with MOONCAKE_ENV_DEFAULTS, one torch thread a side, 2 cores shared
-# with other jobs (load 1.2-4.1). Ranges: entry 7-29 us; wire 0.72-2.55 GB/s; pack 2.6-3.9 GB/s;
+# loopback, Mooncake 0.3.13.post1 with its env defaults (mooncake/config.py), one torch thread a side,
+# 2 cores shared with other jobs (load 1.2-4.1). Ranges: entry 7-29 us; wire 0.72-2.55 GB/s; pack 2.6-3.9 GB/s;
 # unpack 2.9-4.1 GB/s; piece 0-70 us; overlap 0-1 (on loopback the "wire" is CPU work too, on the
 # same two cores the pack runs on, so how much a pipeline hides swings with the load: 0 in six of
 # these eight loaded runs, 1 in a quiet one).
@@ -159,17 +118,13 @@ def path_label(path: str, pieces: int) -> str:
     return f"{path}_pipelined" if pieces > 1 else path
 
 
-class TransferError(RuntimeError):
-    """A Mooncake call failed (initialize, register or a write)."""
-
-
 class PayloadMismatch(ValueError):
     """Sender and receiver disagree on what a request's state is: a type, a length or a sentinel."""
 
 
 @dataclass
 class Entries:
-    """One write's entries, as Mooncake's three parallel lists (source, destination, bytes)."""
+    """One write's entries, as three parallel lists (source, destination, bytes): Mooncake's batch form."""
 
     src: list[int] = field(default_factory=list)
     dst: list[int] = field(default_factory=list)
@@ -375,230 +330,3 @@ def split_pieces(
         if real:
             out[-1].append((t, lo + start, lo + len(pages)))
     return [piece for piece in out if piece]
-
-
-# ---- transport ---------------------------------------------------------------------------------
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def transfer_hostname(
-    host: str, protocol: str, npu_phy_id: int | None = None, *, port: int | None = None
-) -> str:
-    """The local_hostname Mooncake's initialize() takes for this protocol.
-
-    "ascend" (Mooncake over the Ascend transport, SGLang's ENABLE_ASCEND_TRANSFER_WITH_MOONCAKE) wants
-    "<host>:<port>:npu_<physical id>", port a free one on host (picked here unless given, the only
-    impure case); every other protocol takes the host as is. Peers dial "<host>:<rpc port>" either
-    way (MooncakeTransport.session_id).
-    """
-    if protocol != "ascend":
-        return host
-    if npu_phy_id is None or npu_phy_id < 0:
-        raise ValueError(f"protocol 'ascend' needs the NPU's physical id, got {npu_phy_id}")
-    return f"{host}:{_free_port(host) if port is None else port}:npu_{npu_phy_id}"
-
-
-_ASCEND_SUFFIX = re.compile(r":\d+:npu_\d+$")
-
-
-def session_host(hostname: str) -> str:
-    """The host part of a transfer_hostname(): what a session id starts with (IPv6 in brackets)."""
-    host = _ASCEND_SUFFIX.sub("", hostname)
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def apply_env_defaults(env: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
-    """Set MOONCAKE_ENV_DEFAULTS where unset; returns the values in effect."""
-    for key, value in MOONCAKE_ENV_DEFAULTS.items():
-        env.setdefault(key, value)
-    return {key: env[key] for key in MOONCAKE_ENV_DEFAULTS}
-
-
-def _transfer_timeout_s(env: dict[str, str] | os._Environ[str] = os.environ) -> float:
-    """Mooncake's synchronous-write timeout (MC_TRANSFER_TIMEOUT, at least 5 s, default 30 s): a write
-    waits this long plus 1 ns a byte, as batch_transfer_sync_write would."""
-    value = env.get("MC_TRANSFER_TIMEOUT")
-    try:
-        return float(max(5, int(value))) if value else 30.0
-    except ValueError:
-        return 30.0
-
-
-class _Flight:
-    """Entries submitted one per Mooncake batch, waited for by polling (see POLL_SECONDS)."""
-
-    def __init__(self, engine: Any, peer_session: str, timeout_s: float) -> None:
-        self.engine, self.peer, self.timeout_s = engine, peer_session, timeout_s
-        self.pending: deque[tuple[int, int]] = deque()  # (batch id, bytes), in submit order
-        self.submitted = self.failed = self.refused = self.abandoned = 0
-
-    @property
-    def rc(self) -> int:
-        """0: every entry landed; -1: one failed or was refused (as batch_transfer_sync_write reports
-        either); -2: one had not ended by the deadline."""
-        return -1 if self.failed or self.refused else (-2 if self.abandoned else 0)
-
-    def submit(self, entries: Entries, max_in_flight: int) -> bool:
-        """Submit every entry, first waiting for the oldest whenever max_in_flight are pending; False
-        once one is refused (the rest are not submitted) or has failed."""
-        for src, dst, n in zip(entries.src, entries.dst, entries.lens, strict=True):
-            if len(self.pending) >= max_in_flight:
-                self.wait(max_in_flight - 1)
-            if self.rc:
-                return False
-            batch = self.engine.transfer_submit_write(self.peer, src, dst, n)
-            if not batch:  # 0: refused (peer unknown or unreachable)
-                self.refused += 1
-                return False
-            self.pending.append((batch, n))
-            self.submitted += 1
-        return True
-
-    def wait(self, leave: int = 0) -> None:
-        """Until at most `leave` entries are pending (oldest first: the lanes serve them in order).
-        Past the deadline the rest are abandoned, never freed: Mooncake may still read their
-        sources, and freeing a batch it still uses is what its own timeout does wrong."""
-        last = time.monotonic()
-        deadline = last + self.timeout_s + sum(n for _, n in self.pending) * 1e-9
-        while len(self.pending) > leave:
-            status = self.engine.transfer_check_status(self.pending[0][0])
-            if status == 0:  # still on the wire
-                now = time.monotonic()
-                if now - last > STALL_SECONDS:
-                    # This process did not run meanwhile (stopped, as SIGSTOP does, or starved): the
-                    # peer is not to blame for that time, and the TCP threads that were stopped with
-                    # us need a moment to move the bytes. Only time spent waiting counts.
-                    deadline += now - last
-                last = now
-                if now > deadline:
-                    self._abandon()
-                    return
-                time.sleep(POLL_SECONDS)
-                continue
-            self.pending.popleft()  # 1 or -1: ended, its batch freed by Mooncake
-            self.failed += status != 1
-
-    def _abandon(self) -> None:
-        """One last look at every pending entry (a later one may have failed: that is the error to
-        report), then forget those still running."""
-        for batch, _ in self.pending:
-            status = self.engine.transfer_check_status(batch)
-            self.failed += status not in (0, 1)
-            self.abandoned += status == 0
-        self.pending.clear()
-
-
-def _detail(flight: _Flight) -> str:
-    parts = [f"{n} {what}" for n, what in ((flight.failed, "failed"), (flight.refused, "refused at submit"),
-             (flight.abandoned, "still running at the deadline")) if n]  # fmt: skip
-    return f" ({', '.join(parts)})" if parts else ""
-
-
-class MooncakeTransport:
-    """One Mooncake TransferEngine: registers local buffers and writes into peers' registered ones.
-
-    write() blocks the calling thread (sleeping between polls: the GIL is free meanwhile); close()
-    must not race a write in progress.
-    """
-
-    def __init__(self, hostname: str, protocol: str = "tcp", device: str = "") -> None:
-        """hostname is initialize()'s local_hostname, i.e. transfer_hostname(host, protocol, ...)."""
-        # Imported here: the NPU and GPU builds of Mooncake differ, and importing this module must
-        # not need either.
-        from mooncake.engine import TransferEngine
-
-        apply_env_defaults()
-        self.hostname, self.protocol = hostname, protocol
-        self._engine: Any = TransferEngine()
-        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device)
-        if rc != 0:
-            raise TransferError(f"Mooncake initialize({hostname!r}, protocol={protocol!r}) returned {rc}")
-        self._session_id = f"{session_host(hostname)}:{self._engine.get_rpc_port()}"
-        self._registered: dict[int, int] = {}  # pointer -> length
-        self._timeout_s = _transfer_timeout_s()  # read once, as the engine reads its own
-
-    @property
-    def session_id(self) -> str:
-        return self._session_id
-
-    def _live_engine(self) -> Any:
-        if self._engine is None:
-            raise TransferError(f"transport {self._session_id} is closed")
-        return self._engine
-
-    def register(self, ptrs: list[int], lens: list[int]) -> None:
-        """Make [ptr, ptr + len) regions writable by peers (and readable as sources)."""
-        if len(ptrs) != len(lens):
-            raise ValueError(f"{len(ptrs)} pointers but {len(lens)} lengths")
-        new = {p: n for p, n in zip(ptrs, lens, strict=True) if p not in self._registered}
-        if not new:
-            return
-        rc = self._live_engine().batch_register_memory(list(new), list(new.values()))
-        if rc != 0:
-            raise TransferError(f"Mooncake batch_register_memory of {len(new)} regions returned {rc}")
-        self._registered.update(new)
-
-    def write(self, peer_session: str, entries: Entries, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
-        """Copy every entry into the peer's registered memory; returns once all have landed (or, on a
-        failure, once every submitted entry has ended or its deadline passed)."""
-        engine = self._live_engine()
-        for i, part in enumerate(entries.split(max_entries)):
-            flight = _Flight(engine, peer_session, self._timeout_s)
-            try:
-                flight.submit(part, max_in_flight=len(part))
-            finally:
-                flight.wait()
-            if flight.rc:
-                raise TransferError(
-                    f"Mooncake write to {peer_session} failed (rc {flight.rc}): batch {i + 1} of "
-                    f"{-(-len(entries) // max_entries)}, {len(part)} of {len(entries)} entries, "
-                    f"{part.nbytes} bytes{_detail(flight)}"
-                )
-
-    def write_pipelined(
-        self,
-        peer_session: str,
-        pieces: Iterable[tuple[Callable[[], None], Entries]],
-        max_entries: int = DEFAULT_MAX_ENTRIES,
-    ) -> None:
-        """Each piece's prepare() (its pack) runs while the earlier pieces are on the wire, then its
-        entries are submitted (at most max_entries in flight); returns once every submitted entry has
-        ended, and only then raises (a failed submit, a failed entry, a prepare that raised). So a
-        caller may free the sources (the arena span, the pages) as soon as this returns, whatever
-        happened."""
-        flight = _Flight(self._live_engine(), peer_session, self._timeout_s)
-        try:
-            for prepare, entries in pieces:
-                prepare()
-                if not flight.submit(entries, max_in_flight=max_entries):
-                    break
-        finally:
-            # Every entry waited for, failed or not: none may still read its sources once this returns.
-            flight.wait()
-            if flight.rc:
-                raise TransferError(
-                    f"Mooncake pipelined write to {peer_session} failed (rc {flight.rc}){_detail(flight)} "
-                    f"({flight.submitted} entries submitted)"
-                )
-
-    def close(self) -> None:
-        """Unregister everything and drop the engine (its threads and sockets go with it)."""
-        if self._engine is None:
-            return
-        engine, self._engine = self._engine, None
-        if self._registered:
-            engine.batch_unregister_memory(list(self._registered))
-            self._registered = {}
-        del engine
-
-    def __enter__(self) -> MooncakeTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -14,22 +14,26 @@ import logging
 import os
 import socket
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dsv4_engine.disagg.protocol import (
-    MAX_ROOM,
-    PdError,
-    PdTarget,
-    quarantine_seconds,
-)
-from dsv4_engine.server.bridge import ErrorEvent, RequestHandle
+from dsv4_engine.disagg.protocol import MAX_ROOM, PdError, PdTarget, quarantine_seconds
+from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.server import test_hooks
+from dsv4_engine.server.args import ServerSettings
+from dsv4_engine.server.bridge import EngineBridge, ErrorEvent, RequestHandle
 from dsv4_engine.server.errors import ApiError, bad_request
+from dsv4_engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from dsv4_engine.server.state import ServerContext
+
+if TYPE_CHECKING:
+    from dsv4_engine.disagg.base import DecodeSide, PrefillSide
+    from dsv4_engine.engine import LLMEngine
 
 log = logging.getLogger("dsv4.server.pd")
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
-_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+# The requests that carry the three bootstrap fields.
+PdRequest = CompletionRequest | ChatCompletionRequest | GenerateRequest
 
 
 def _items(value: Any, n: int, name: str) -> list[Any]:
@@ -44,7 +48,7 @@ def _items(value: Any, n: int, name: str) -> list[Any]:
     return [value]
 
 
-def targets(ctx: ServerContext, req: Any, prompts: int, n: int = 1) -> list[PdTarget] | None:
+def targets(ctx: ServerContext, req: PdRequest, prompts: int, n: int = 1) -> list[PdTarget] | None:
     """One PdTarget per sequence (prompt-major: prompt i, choice j is i * n + j) on a PD server; None
     on a colocated one (whose fields check rejects)."""
     mode = ctx.settings.disaggregation_mode
@@ -109,14 +113,20 @@ def pd_error(err: PdError) -> ApiError:
     return ApiError(err.status, err.message, type=kind, param=param, code=f"pd_{err.reason}", headers=headers)
 
 
-def _fail_handle(bridge: Any, handle: RequestHandle, err: BaseException) -> None:
+def _fail_handle(bridge: EngineBridge, handle: RequestHandle, err: BaseException) -> None:
     if not handle.done:
         bridge.forget(handle)
         handle.queue.put_nowait(ErrorEvent(err, "pd"))
 
 
 def start(
-    ctx: ServerContext, prompt_ids: list[int], params: Any, target: PdTarget, *, arrival: float, observe: bool
+    ctx: ServerContext,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    target: PdTarget,
+    *,
+    arrival: float,
+    observe: bool,
 ) -> RequestHandle:
     """One PD sequence: a handle whose events arrive once the role's half of the protocol runs."""
     bridge = ctx.bridge
@@ -124,20 +134,23 @@ def start(
     rid = f"pd-{target.room}-{uuid.uuid4().hex[:8]}"  # the room in the id: logs and test hooks find it
     handle = bridge.open(rid, arrival)
     handle.prompt_len, handle.observe = len(prompt_ids), observe
-    if ctx.settings.disaggregation_mode == "prefill":
-        _start_prefill(ctx, handle, prompt_ids, params, target)
+    if ctx.prefill is not None:
+        _start_prefill(ctx.prefill, bridge, handle, prompt_ids, params, target)
     else:
-        _start_decode(ctx, handle, prompt_ids, params, target)
+        assert ctx.decode is not None
+        _start_decode(ctx.decode, bridge, handle, prompt_ids, params, target)
     return handle
 
 
 def _start_prefill(
-    ctx: ServerContext, handle: RequestHandle, ids: list[int], params: Any, target: PdTarget
+    rooms: PrefillSide,
+    bridge: EngineBridge,
+    handle: RequestHandle,
+    ids: list[int],
+    params: SamplingParams,
+    target: PdTarget,
 ) -> None:
-    from dsv4_engine.disagg.fingerprint import prompt_digest
-
-    bridge, rooms, rid = ctx.bridge, ctx.pd, handle.request_id
-    assert bridge is not None
+    rid = handle.request_id
     # The prefill computes the first token only (sampled as a colocated server would: penalties,
     # logit_bias, min_p and min_tokens apply to it here); the decode server goes on from it with the
     # same settings, its prompt and that token as history.
@@ -147,31 +160,35 @@ def _start_prefill(
         bridge.add(rid, ids, first, hold=True, handle=handle)
 
     try:
-        room = rooms.open(target, rid, ids, params, prompt_digest(ids), go)
+        result = rooms.open(target, rid, ids, params, go)
     except PdError as err:
         bridge.forget(handle)
         raise pd_error(err) from err
-    assert room.result is not None
-    handle.pd_wait = room.result
+    handle.pd_wait = result
     handle.on_abort = lambda: rooms.cancel_request(
         rid, "client_gone", f"the prefill's client left room {target.room}"
     )
-    room.result.add_done_callback(
-        lambda f: (
-            None if f.cancelled() or f.exception() is None else _fail_handle(bridge, handle, f.exception())
-        )
-    )
+
+    def ended(f: asyncio.Future[None]) -> None:
+        if not f.cancelled() and (err := f.exception()) is not None:
+            _fail_handle(bridge, handle, err)
+
+    result.add_done_callback(ended)
 
 
 def _start_decode(
-    ctx: ServerContext, handle: RequestHandle, ids: list[int], params: Any, target: PdTarget
+    receiver: DecodeSide,
+    bridge: EngineBridge,
+    handle: RequestHandle,
+    ids: list[int],
+    params: SamplingParams,
+    target: PdTarget,
 ) -> None:
-    receiver = ctx.pd
     task = asyncio.ensure_future(receiver.receive(handle.request_id, target, ids, params))
 
     def ended(t: asyncio.Task[None]) -> None:
-        if not t.cancelled() and t.exception() is not None:
-            _fail_handle(ctx.bridge, handle, t.exception())
+        if not t.cancelled() and (err := t.exception()) is not None:
+            _fail_handle(bridge, handle, err)
 
     task.add_done_callback(ended)
     handle.on_abort = lambda: None if task.done() else task.cancel()
@@ -182,26 +199,21 @@ def abort_rooms(ctx: ServerContext, rooms: list[PdTarget], reason: str, message:
     decode server aborts each room at its prefill, a prefill server fails each room so the decode's
     claim ends. sglang-router waits for both legs' headers, so a silent refusal would hold the client
     until the router's request timeout (or the peer's own bootstrap/waiting bound)."""
-    mode = ctx.settings.disaggregation_mode
-    if ctx.pd is None:
+    side = ctx.pd
+    if side is None:
         return
-    if mode == "decode":
-        receiver = ctx.pd
-        for target in rooms:
-            receiver.spawn(receiver.refuse(target, reason, message))
-    elif mode == "prefill":
-        for target in rooms:
-            ctx.pd.refuse(target.room, reason, message)
+    for target in rooms:
+        side.refuse(target, reason, message)
 
 
-def check_admission(ctx: ServerContext, req: Any) -> None:
+def check_admission(ctx: ServerContext, req: PdRequest) -> None:
     """The routes' first admission check (draining, loading, dead, queue full): on a PD server a
     refusal also ends the rooms the request names, as `start_all` does for a later refusal."""
     try:
         ctx.check_admission(0)
     except ApiError as err:
         if ctx.settings.disaggregation_mode != "null" and ctx.pd is not None:
-            room = getattr(req, "bootstrap_room", None)
+            room = req.bootstrap_room
             try:
                 rooms = targets(ctx, req, len(room) if isinstance(room, list) else 1)
             except ApiError:
@@ -212,73 +224,66 @@ def check_admission(ctx: ServerContext, req: Any) -> None:
 
 
 # ---- set-up ------------------------------------------------------------------------------------
-def transfer_host(settings: Any) -> str:
-    """Mooncake's hostname: the pod IP when the operator sets POD_IP, else --host, else this host."""
+def transfer_host(settings: ServerSettings) -> str:
+    """The transport's hostname: the pod IP when the operator sets POD_IP, else --host, else this host."""
     host = os.environ.get("POD_IP") or settings.host
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostbyname(socket.gethostname())
     return host
 
 
-async def setup(ctx: ServerContext, engine: Any) -> None:
+async def setup(ctx: ServerContext, engine: LLMEngine) -> None:
     """Build the role's half after the engine loaded: transport, fingerprint, bootstrap or receiver."""
-    from dsv4_engine.disagg.fingerprint import checkpoint_digest, layout_fingerprint
-    from dsv4_engine.disagg.transfer import MooncakeTransport, transfer_hostname
+    from dsv4_engine.disagg.checkpoint import checkpoint_digest
+    from dsv4_engine.disagg.fingerprint import layout_fingerprint
+    from dsv4_engine.disagg.mooncake import create_transport
 
     s = ctx.settings
-    loop = asyncio.get_running_loop()
     digest = await asyncio.to_thread(checkpoint_digest, s.model)
-    ctx.fingerprint = layout_fingerprint(engine.layout, engine.kv_pool.pd_state_components(), digest)
-    transport = MooncakeTransport(
-        transfer_hostname(transfer_host(s), s.transfer_protocol), s.transfer_protocol
-    )
-    ctx.transport = transport
+    fingerprint = layout_fingerprint(engine.layout, engine.kv_pool.pd_state_components(), digest)
+    ctx.fingerprint = fingerprint
+    transport = ctx.transport = create_transport(transfer_host(s), s.transfer_protocol)
     staging = None
     if s.staging_mib:
         from dsv4_engine.memory.staging import StagingArena
 
         staging = StagingArena(s.staging_mib << 20, engine.kv_pool.device)
-    hooks = os.environ.get("DSV4_TEST_HOOKS") == "1"
-    if hooks:
-        engine.runner.logit_probe = {}
+    faults = None
+    if test_hooks.enabled():
+        from dsv4_engine.disagg.faults import FaultHooks
+
+        faults = ctx.faults = FaultHooks()
+        faults.install(engine.runner)
     assert ctx.bridge is not None
     if s.disaggregation_mode == "prefill":
         from dsv4_engine.disagg.bootstrap import create_bootstrap_app, serve_bootstrap
         from dsv4_engine.disagg.prefill import PrefillRooms
 
-        rooms = PrefillRooms(
-            engine, ctx.bridge, transport, loop, fingerprint=ctx.fingerprint,
-            bootstrap_timeout=s.bootstrap_timeout, metrics=ctx.metrics, staging=staging,
+        rooms = ctx.prefill = PrefillRooms(
+            engine, ctx.bridge, transport, asyncio.get_running_loop(), fingerprint=fingerprint,
+            bootstrap_timeout=s.bootstrap_timeout, metrics=ctx.metrics, staging=staging, faults=faults,
         )  # fmt: skip
-        ctx.pd = rooms
-        if hooks:
-            rooms.checksums = {}
         port = s.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
         ctx.bootstrap_server = await serve_bootstrap(create_bootstrap_app(rooms), s.host, port)
         log.info("bootstrap endpoint on %s:%d, Mooncake session %s", s.host, port, transport.session_id)
     else:
         from dsv4_engine.disagg.decode import DecodeReceiver
 
-        ctx.pd = DecodeReceiver(
-            engine, ctx.bridge, transport, fingerprint=ctx.fingerprint,
-            waiting_timeout=s.waiting_timeout, heartbeat_interval=s.heartbeat_interval,
-            heartbeat_failures=s.heartbeat_failures, quarantine=quarantine_seconds(dict(os.environ)),
-            max_queued=s.max_waiting, metrics=ctx.metrics, poison=hooks, staging=staging,
+        receiver = ctx.decode = DecodeReceiver(
+            engine, ctx.bridge, transport, fingerprint=fingerprint, waiting_timeout=s.waiting_timeout,
+            heartbeat_interval=s.heartbeat_interval, heartbeat_failures=s.heartbeat_failures,
+            quarantine=quarantine_seconds(dict(os.environ)), metrics=ctx.metrics, staging=staging,
+            faults=faults,
         )  # fmt: skip
-        log.info("decode receiver %s, Mooncake session %s", ctx.pd.decode_id, transport.session_id)
+        log.info("decode receiver %s, Mooncake session %s", receiver.decode_id, transport.session_id)
 
 
 async def shutdown(ctx: ServerContext) -> None:
-    server = getattr(ctx, "bootstrap_server", None)
+    server = ctx.bootstrap_server
     if server is not None:
         server.should_exit = True
         await asyncio.wait({server.task}, timeout=5)
     if ctx.pd is not None:
-        close = getattr(ctx.pd, "close", None)
-        if close is not None:
-            await close()
-        stop = getattr(ctx.pd, "stop", None)
-        if stop is not None:
-            await asyncio.to_thread(stop)
+        await ctx.pd.close()
     if ctx.transport is not None:
         ctx.transport.close()

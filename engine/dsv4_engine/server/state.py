@@ -13,12 +13,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsv4_engine.server.args import ServerSettings
 from dsv4_engine.server.bridge import EngineBridge, RequestHandle, TokenEvent
 from dsv4_engine.server.errors import ApiError, unavailable
 from dsv4_engine.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from dsv4_engine.disagg.base import DecodeSide, PdSide, PrefillSide, Transport
+    from dsv4_engine.disagg.bootstrap import BootstrapServer
+    from dsv4_engine.disagg.faults import FaultHooks
 
 log = logging.getLogger("dsv4.server")
 
@@ -79,11 +84,15 @@ class ServerContext:
         self._idle = asyncio.Event()
         self._idle.set()
         self.load_error: BaseException | None = None
-        # PD (server/pd.py): the role's half of the protocol, the layout fingerprint, the transport.
-        self.pd: Any = None
+        # PD (server/pd.py sets these up): the role's half of the protocol (one of the two, by
+        # --disaggregation-mode), the layout fingerprint, the transport, the prefill's bootstrap
+        # endpoint, and the fault hooks (DSV4_TEST_HOOKS=1 only).
+        self.prefill: PrefillSide | None = None
+        self.decode: DecodeSide | None = None
         self.fingerprint: dict[str, Any] | None = None
-        self.transport: Any = None
-        self.bootstrap_server: Any = None
+        self.transport: Transport | None = None
+        self.bootstrap_server: BootstrapServer | None = None
+        self.faults: FaultHooks | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- wiring ----------------------------------------------------------------------------
@@ -99,20 +108,21 @@ class ServerContext:
         self._loop = loop
         self.bridge.start(loop)
 
+    @property
+    def pd(self) -> PdSide | None:
+        """The role's half of PD, whichever role this server has (None when colocated or loading)."""
+        return self.prefill if self.prefill is not None else self.decode
+
     def _on_step(self, seconds: float) -> None:  # engine thread
         self.metrics.step.observe(seconds)
-        on_step = (
-            getattr(self.pd, "pages_may_be_free", None)
-            if self.settings.disaggregation_mode == "decode"
-            else None
-        )
-        if on_step is not None:
+        decode = self.decode
+        if decode is not None:
             with contextlib.suppress(RuntimeError, AttributeError):  # the loop closed at shutdown
-                self._loop.call_soon_threadsafe(on_step)  # type: ignore[union-attr]
+                self._loop.call_soon_threadsafe(decode.pages_may_be_free)  # type: ignore[union-attr]
 
     def pd_waiting(self) -> int:
         """Decode: sequences waiting for pages before their transfer (bounded by --max-waiting)."""
-        return self.pd.queued if self.settings.disaggregation_mode == "decode" and self.pd is not None else 0
+        return self.decode.queued if self.decode is not None else 0
 
     def _on_tokens(self, handle: RequestHandle, event: TokenEvent) -> None:
         if not handle.observe:

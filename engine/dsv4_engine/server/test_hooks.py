@@ -2,17 +2,23 @@
 
 A test that needs a request still in flight (a drain, a disconnect, a transfer killed midway) must not
 bet on how fast the engine is: it pauses the engine between steps, does what it needs, and resumes.
+The /debug/pd routes drive and read the PD fault hooks (disagg/faults.py), which server/pd.py
+installs on a PD server when these routes are mounted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dsv4_engine.server.errors import unavailable
+
+if TYPE_CHECKING:
+    from dsv4_engine.disagg.faults import FaultHooks
 
 ENV = "DSV4_TEST_HOOKS"
 router = APIRouter(prefix="/debug")
@@ -40,20 +46,26 @@ async def resume(request: Request) -> JSONResponse:
     return JSONResponse({"paused": False})
 
 
+def _faults(request: Request) -> FaultHooks:
+    faults: FaultHooks | None = request.app.state.ctx.faults
+    if faults is None:
+        raise unavailable("no PD fault hooks on this server (colocated, or still loading)", retry_after=1)
+    return faults
+
+
 @router.post("/pd/corrupt")
 async def corrupt(request: Request, state_type: str) -> JSONResponse:
     """Prefill: add 1 to one source page of `state_type` before the next send."""
     from dsv4_engine.memory import StateType
 
-    rooms = request.app.state.ctx.pd
-    rooms.corrupt_next = StateType(state_type)
+    _faults(request).corrupt_next = StateType(state_type)
     return JSONResponse({"armed": state_type})
 
 
 @router.post("/pd/deaf")
 async def deaf(request: Request, on: bool = True) -> JSONResponse:
     """Prefill: ignore decode aborts and hang-ups (while on), so a stalled prefill's write lands late."""
-    request.app.state.ctx.pd.deaf = on
+    _faults(request).deaf = on
     return JSONResponse({"deaf": on})
 
 
@@ -68,22 +80,21 @@ async def staging(request: Request, mode: str) -> JSONResponse:
         return JSONResponse(
             {"error": f"mode must be one of {', '.join(modes)}, got {mode!r}"}, status_code=400
         )
-    request.app.state.ctx.pd.stage_mode = mode
+    _faults(request).stage_mode = mode
     return JSONResponse({"mode": mode})
 
 
 @router.get("/pd")
 async def pd_state(request: Request) -> JSONResponse:
     ctx = request.app.state.ctx
-    pd = ctx.pd
-    runner = getattr(ctx.engine, "runner", None)
+    faults: FaultHooks | None = ctx.faults
     return JSONResponse(
         {
-            "checksums": {str(k): v for k, v in (getattr(pd, "checksums", None) or {}).items()},
-            "depths": pd.depths() if pd is not None else {},
-            "decode_id": getattr(pd, "decode_id", None),
-            "dead_sessions": sorted(k for k, v in (getattr(pd, "sessions", None) or {}).items() if v.dead),
-            "logits": dict(getattr(runner, "logit_probe", None) or {}),
+            "checksums": {str(k): v for k, v in faults.checksums.items()} if faults is not None else {},
+            "depths": ctx.pd.depths() if ctx.pd is not None else {},
+            "decode_id": ctx.decode.decode_id if ctx.decode is not None else None,
+            "dead_sessions": ctx.prefill.dead_sessions() if ctx.prefill is not None else [],
+            "logits": dict(faults.logits) if faults is not None else {},
         }
     )
 

@@ -1,0 +1,27 @@
+"""The Mooncake transport backend (base.Transport over Mooncake's TransferEngine, P2P handshake: no
+metadata server); `tcp` on CPU, `rdma` on GPU, `ascend` on NPU. Importing it does not import
+Mooncake: creating a transport does."""
+
+from dsv4_engine.disagg.mooncake.config import (
+    MOONCAKE_ENV_DEFAULTS,
+    apply_env_defaults,
+    session_host,
+    transfer_hostname,
+)
+from dsv4_engine.disagg.mooncake.transfer_engine import DEFAULT_MAX_ENTRIES, MooncakeTransport
+
+
+def create_transport(host: str, protocol: str) -> MooncakeTransport:
+    """This server's transport, reachable at `host` (the pod IP or --host) over `protocol`."""
+    return MooncakeTransport(transfer_hostname(host, protocol), protocol)
+
+
+__all__ = [
+    "DEFAULT_MAX_ENTRIES",
+    "MOONCAKE_ENV_DEFAULTS",
+    "MooncakeTransport",
+    "apply_env_defaults",
+    "create_transport",
+    "session_host",
+    "transfer_hostname",
+]

@@ -1,0 +1,64 @@
+"""A prefill server's room: the two halves of one PD request, met in either order, and its progress.
+
+The loop (prefill.PrefillRooms) creates rooms, fills both halves and ends them; once a room has
+started, the engine thread (prefill_send) and the transfer worker (prefill_writer) read its
+destination and write only the progress fields marked as theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4_engine.disagg.protocol import PdError, RoomStatus
+from dsv4_engine.memory import StateType
+from dsv4_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class DecodeSession:
+    """What one decode server registered: where its buffers are, and its layout fingerprint."""
+
+    decode_id: str
+    mooncake_session: str
+    dst_ptrs: dict[StateType, list[int]]
+    aux_ptr: int
+    fingerprint: dict[str, Any]
+    staging_ptr: int | None = None  # its staging arena, when it has one
+    dead: bool = False  # a write to it failed (worker): later rooms fail fast until it registers again
+
+
+@dataclass
+class Room:
+    room: int
+    created: float
+    deadline: float  # until the decode sends its pages; each claim (renewed while it queues) extends it
+    result: asyncio.Future[None]  # done when the transfer ended; a PdError when the room failed
+    status: RoomStatus = RoomStatus.BOOTSTRAPPING
+    # the prefill's own request
+    request_id: str | None = None
+    prompt_ids: list[int] | None = None
+    params: SamplingParams | None = None
+    digest: str | None = None
+    start: Callable[[], None] | None = None  # hands the prompt to the engine (loop side)
+    # the decode's half
+    session: DecodeSession | None = None
+    claim_digest: str | None = None
+    dst_pages: dict[StateType, list[int]] | None = None
+    dst_aux: int | None = None
+    dst_staging: tuple[int, int] | None = None  # (offset, bytes) of the decode's span for this room
+    # progress: the engine thread's
+    sent_pages: int = 0  # full-family pages [0, sent_pages) are queued
+    staged_at: int = 0  # bytes of the decode's span the queued staged jobs fill
+    staged: list[tuple[str, int, int]] = field(default_factory=list)  # (type, lo, hi) in span order
+    logprobs: dict[str, Any] | None = None  # protocol.logprobs_body, sent with the transfer's answer
+    # progress: the worker's
+    writing: bool = False  # a write of this room is in the transport right now
+    closed: bool = False  # every write has returned and the engine was told to free the pages
+    bytes_by_type: dict[str, int] = field(default_factory=dict)
+    # the loop's
+    started: bool = False
+    error: PdError | None = None
+    transfer_started: float | None = None
