@@ -251,7 +251,9 @@ def test_scaling_decode_to_two_under_load_and_back_fails_no_request(
         with Load(node, url, workers=16) as load:
             until(lambda: load.count() >= 16, 300, "the steady load to run")
             kube.kubectl("scale", "dsv4", NAME, "-n", NS, "--replicas=2")
-            ready = lambda: [p for p in pods(kube, "decode") if is_ready(p)]  # noqa: E731
+            # The generation decoy carries the deployment's labels: only the fingerprint tells it apart.
+            decodes = lambda: [p for p in pods(kube, "decode") if p["metadata"]["name"] not in decoys]  # noqa: E731
+            ready = lambda: [p for p in decodes() if is_ready(p)]  # noqa: E731
             until(lambda: len(ready()) == 2, START, "two Ready decode pods")
             (joined,) = [p for p in ready() if p["metadata"]["name"].endswith("-1")]
             base = f"http://{joined['status']['podIP']}:{port_of(joined)}"
@@ -259,7 +261,7 @@ def test_scaling_decode_to_two_under_load_and_back_fails_no_request(
                 served = lambda: pool.submit(counter, base, "vllm:generation_tokens").result(30) > 0  # noqa: E731
                 until(served, 180, "the new decode pod to serve requests of the load")
             kube.kubectl("scale", "dsv4", NAME, "-n", NS, "--replicas=1")
-            until(lambda: len(pods(kube, "decode")) == 1, 240, "decode-1 to drain and be removed")
+            until(lambda: len(decodes()) == 1, 240, "decode-1 to drain and be removed")
             after = load.count()
             until(lambda: load.count() >= after + 16, 300, "the load to go on after the scale-down")
         for pod in decoy_pods:
