@@ -37,7 +37,7 @@ HERE = pathlib.Path(__file__).parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))  # the agent package
 from agent import netns  # noqa: E402
-from serving import NAMESPACE, RELEASE, is_ready  # noqa: E402
+from serving import EARLIER, NAMESPACE, RELEASE, lease_holder, operator_pods  # noqa: E402
 
 from suite.realkube import Cluster, run_cluster, wait_until  # noqa: E402
 
@@ -81,9 +81,14 @@ class Node:
         """Threads inside `pod`'s own network namespace: connections from there are that pod's, as
         the node's NetworkPolicy rules see them (the agent names a pod's namespace by its address's
         index in the pod network, never reused)."""
-        n = int(ipaddress.ip_address(pod["status"]["podIP"])) - int(netns.POD_CIDR.network_address)
-        path = netns.ns_path(f"{self.prefix}-p{n}")
+        path = netns.ns_path(self.namespace_of(pod))
         return ThreadPoolExecutor(workers, initializer=netns.enter, initargs=(path,))
+
+    def namespace_of(self, pod: dict[str, Any]) -> str:
+        """The network namespace the agent made for `pod` (named by its address's index in the pod
+        network, never reused)."""
+        n = int(ipaddress.ip_address(pod["status"]["podIP"])) - int(netns.POD_CIDR.network_address)
+        return f"{self.prefix}-p{n}"
 
     def netpol(self) -> dict[str, Any]:
         """The agent's last applied NetworkPolicy generation: {"generation": N, "isolated": {pod IP:
@@ -113,9 +118,6 @@ def kube(helm: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluste
     d = tmp_path_factory.mktemp("cluster-kube")
     with run_cluster(d, egress_socket=d / "egress.sock") as c:
         yield c
-
-
-EARLIER = "0.0.1"  # the operator release the chart is first installed at (`earlier_release`)
 
 
 @dataclass
@@ -208,9 +210,6 @@ def node(
         sweep(prefix)
 
 
-OPERATOR_PODS = "app.kubernetes.io/name=dsv4-operator"
-
-
 @pytest.fixture(scope="session")
 def operator_release(kube: Cluster, node: Node, helm: str, earlier_release: EarlierRelease) -> dict[str, Any]:
     """The earlier release of the chart installed as a user installs it, with its default values: two
@@ -237,18 +236,6 @@ def operator_release(kube: Cluster, node: Node, helm: str, earlier_release: Earl
         lambda: kube.get("validatingwebhookconfigurations")["items"], 120, "the webhook's registration"
     )
     return pods[0]
-
-
-def operator_pods(kube: Cluster) -> list[dict[str, Any]]:
-    """The release's Ready operator pods."""
-    return [p for p in kube.get("pods", "-n", NAMESPACE, "-l", OPERATOR_PODS)["items"] if is_ready(p)]
-
-
-def lease_holder(kube: Cluster) -> str | None:
-    """The operator pod holding the release's Lease (its holderIdentity is the pod's name)."""
-    got = kube.kubectl("get", "lease", "-n", NAMESPACE, "-o", "json", check=False)
-    leases = json.loads(got.stdout)["items"] if got.returncode == 0 else []
-    return next((x["spec"].get("holderIdentity") for x in leases if x["spec"].get("holderIdentity")), None)
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ node namespace with the official openai client, a steady load whose every outcom
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import subprocess
@@ -21,6 +22,8 @@ ROOT = pathlib.Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "cpu-tiny.yaml"
 NAME, NS, MODEL = "dsv4-tiny", "default", "dsv4-tiny"
 NAMESPACE, RELEASE = "dsv4-system", "dsv4"  # the operator's: the chart's namespace and release name
+OPERATOR_PODS = "app.kubernetes.io/name=dsv4-operator"
+EARLIER = "0.0.1"  # the operator release the chart is first installed at (conftest's `earlier_release`)
 CHAT = [{"role": "user", "content": "Say hello to the cluster."}]
 GREEDY: dict[str, Any] = {"max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
 SERVE_FLAGS = [
@@ -219,3 +222,15 @@ class Load:
         for f in self._futures:
             f.result(timeout=300)  # each loop ends after its current request: none may hang
         self._pool.shutdown()
+
+
+def operator_pods(kube: Any) -> list[dict[str, Any]]:
+    """The release's Ready operator pods."""
+    return [p for p in kube.get("pods", "-n", NAMESPACE, "-l", OPERATOR_PODS)["items"] if is_ready(p)]
+
+
+def lease_holder(kube: Any) -> str | None:
+    """The operator pod holding the release's Lease (its holderIdentity is the pod's name)."""
+    got = kube.kubectl("get", "lease", "-n", NAMESPACE, "-o", "json", check=False)
+    leases = json.loads(got.stdout)["items"] if got.returncode == 0 else []
+    return next((x["spec"].get("holderIdentity") for x in leases if x["spec"].get("holderIdentity")), None)

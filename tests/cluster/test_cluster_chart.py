@@ -20,9 +20,17 @@ from typing import Any
 
 import pytest
 import yaml
-from serving import NAMESPACE, NS, RELEASE, ROOT, is_ready
-
-from conftest import EARLIER, OPERATOR_PODS, lease_holder, operator_pods
+from serving import (
+    EARLIER,
+    NAMESPACE,
+    NS,
+    OPERATOR_PODS,
+    RELEASE,
+    ROOT,
+    is_ready,
+    lease_holder,
+    operator_pods,
+)
 
 pytestmark = [pytest.mark.realk8s, pytest.mark.timeout(300)]
 CHART = ROOT / "charts" / "dsv4-operator"

@@ -34,6 +34,7 @@ from serving import (
     colocated,
     counter,
     is_ready,
+    operator_pods,
     pair_request,
     pods,
     port_of,
@@ -442,10 +443,12 @@ def test_deleting_the_resource_removes_every_process_and_object(
     left = lambda: kube.get(kinds, "-n", NS, "-l", f"dsv4.ai/deployment={NAME}")["items"]  # noqa: E731
     until(lambda: not left(), 240, "every child to be garbage-collected")
     assert kube.kubectl("get", "dsv4", NAME, "-n", NS, check=False).returncode != 0
-    # Nothing of it runs: no process holds the image's model path, only the operator's pod
-    # namespace is left beside the node's.
+    # Nothing of it runs: no process holds the image's model path, only the operator pods'
+    # namespaces are left beside the node's.
     until(lambda: not model_processes(), 60, "every server and router process to exit")
-    until(lambda: len(node.pod_namespaces()) == 1, 60, "the pods' network namespaces to be deleted")
+    operators = {node.namespace_of(p) for p in operator_pods(kube)}
+    assert len(operators) == 2
+    until(lambda: set(node.pod_namespaces()) == operators, 60, "the pods' network namespaces to be deleted")
 
 
 def model_processes() -> list[str]:
