@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.server import pd
 from dsv4_engine.server.errors import ApiError, bad_request
 from dsv4_engine.server.generation import GenSpec, Lease, Outcome, Piece, check_token_ids, outcomes, start_all
@@ -133,7 +134,14 @@ class Call:
         check_pd_fields(ctx, req)
         return cls(ctx, request, kind, arrival, metrics, logs)
 
-    def start(self, req: Any, spec: GenSpec, seqs: list[list[int]], params: list[Any], n: int) -> Streams:
+    def start(
+        self,
+        req: SamplingRequest | GenerateRequest,
+        spec: GenSpec,
+        seqs: list[list[int]],
+        params: list[SamplingParams],
+        n: int,
+    ) -> Streams:
         """Hand every sequence (n per prompt, prompt-major) to the engine, or on a PD server to its
         half of the protocol; one stream of pieces and an outcome per sequence."""
         targets = pd.targets(self.ctx, req, len(seqs) // n, n)
