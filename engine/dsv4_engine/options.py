@@ -34,7 +34,6 @@ DEFAULT_CHUNK_PAGES = 1
 DEFAULT_MEMORY_FRACTION = {"cpu": 0.25}
 DEFAULT_DEVICE_MEMORY_FRACTION = 0.8
 UNLIMITED_CHUNK = -1  # chunked_prefill_size: chunks limited by the token budget only
-_IEC = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 
 # ---- a flag's text -> its value (argparse's `type`; ArgumentTypeError becomes a usage error) --------
@@ -53,6 +52,9 @@ def chunk_size(text: str) -> int:
     if value != UNLIMITED_CHUNK and value <= 0:
         raise argparse.ArgumentTypeError(f"must be -1 (no per-request cap) or positive, got {text}")
     return value
+
+
+_IEC = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 
 def byte_count(text: str) -> int:
