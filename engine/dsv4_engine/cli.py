@@ -17,14 +17,14 @@ def serve_main(argv: list[str]) -> int:
 def make_tiny_main(argv: list[str]) -> int:
     # `--preset demo` is dispatched here, above both: demo builds on make_tiny, so make_tiny
     # dispatching to demo made the two modules import each other.
-    from dsv4_engine import demo, make_tiny
+    from dsv4_engine import demo_train, make_tiny
 
     p = make_tiny.parser({"demo": DEMO_HELP})
-    demo.add_arguments(p)
+    demo_train.add_arguments(p)
     a = p.parse_args(argv)
     if a.preset != "demo":
         return make_tiny.run(a)
     if a.quant != "none" or a.shards != 1:
         p.error("--preset demo writes one bf16 file: --quant and --shards do not apply")
-    demo.train(a.out, steps=a.steps, seed=a.seed, threads=a.threads)
+    demo_train.train(a.out, steps=a.steps, seed=a.seed, threads=a.threads)
     return 0

@@ -11,27 +11,21 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dsv4_engine import grammar
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.device import keep_freed_host_memory
-from dsv4_engine.engine_config import DEFAULT_MAX_NUM_SEQS, DEFAULT_PAGE_SIZE, EngineConfig
-from dsv4_engine.memory import (
-    Dsv4MemoryLayout,
-    OutOfPages,
-    PoolSizes,
-    StateType,
-    dsv4_state_payloads,
-)
-from dsv4_engine.memory.sizing import fixed_pool_sizes, plan_pool_sizes, pool_bytes, table_bytes
-from dsv4_engine.memory.state_tail import cdiv
+from dsv4_engine.engine_config import EngineConfig
+from dsv4_engine.memory import Dsv4MemoryLayout, OutOfPages, StateType, dsv4_state_payloads
+from dsv4_engine.memory.sizing import pool_bytes
+from dsv4_engine.options import split as split_options
 from dsv4_engine.parallel.groups import SINGLE, init_groups, rank_device
 from dsv4_engine.parallel.groups import prewarm as prewarm_groups
 from dsv4_engine.parallel.shard import check_sizes
@@ -55,39 +49,6 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes free for the pools now: MemAvailable on CPU, the device's free memory otherwise."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    if device.type == "npu":
-        return int(torch.npu.mem_get_info(device)[0])  # type: ignore[attr-defined]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def plan_sizes(layout: Dsv4MemoryLayout, cfg: EngineConfig) -> PoolSizes:
-    """Pool sizes from `num_pages` (full pages; the other families by formula), an explicit byte
-    budget, or by default a share of available memory capped at max_num_seqs full contexts."""
-    kw = {"max_reqs": cfg.max_num_seqs, "max_batched_tokens": cfg.max_num_batched_tokens}
-    if cfg.num_pages is not None:
-        return fixed_pool_sizes(layout, cfg.num_pages, **kw)
-    budget = cfg.kv_cache_memory_bytes
-    if budget is None:
-        most = fixed_pool_sizes(layout, cfg.max_num_seqs * cdiv(cfg.max_model_len, layout.page_size), **kw)
-        wanted = pool_bytes(layout, most) + table_bytes(cfg.max_num_seqs, cfg.max_model_len)
-        share = cfg.memory_fraction * available_memory(cfg.device)
-        if cfg.device.type == "cpu":  # every rank holds pools this size, all in the one host's memory
-            share /= cfg.tp_size
-        budget = min(wanted, int(share))
-    return plan_pool_sizes(layout, budget, max_ctx=cfg.max_model_len, **kw)
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -95,41 +56,16 @@ class LLMEngine:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "cpu",
         *,
-        max_model_len: int | None = None,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int | None = None,
-        chunked_prefill_size: int | None = None,
-        page_size: int = DEFAULT_PAGE_SIZE,
-        num_pages: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        enforce_eager: bool = True,
-        tp_size: int = 1,
-        ep_size: int = 1,
-        kernels: bool | None = None,
-        prewarm: bool = True,
         tokenizer: object | None = None,
-        **kwargs: object,
+        **options: Any,
     ) -> None:
-        if kwargs:
-            log.info("LLMEngine ignores options it does not use yet: %s", sorted(kwargs))
+        """`options`: `EngineOptions`' fields (options.py), by name; others are logged and ignored."""
+        known, ignored = split_options(options)
+        if ignored:
+            log.info("LLMEngine ignores options it does not use yet: %s", sorted(ignored))
         self.config = Dsv4Config.from_pretrained(model_path)
         cfg = self.engine_config = EngineConfig.build(
-            model_path,
-            dtype,
-            device,
-            max_position_embeddings=self.config.max_position_embeddings,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            chunked_prefill_size=chunked_prefill_size,
-            page_size=page_size,
-            num_pages=num_pages,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            enforce_eager=enforce_eager,
-            tp_size=tp_size,
-            ep_size=ep_size,
-            kernels=kernels,
-            prewarm=prewarm,
+            model_path, dtype, device, max_position_embeddings=self.config.max_position_embeddings, **known
         )
         if cfg.device.type == "cpu":
             keep_freed_host_memory()  # page faults on reused temporaries cost up to ~10% of a step
@@ -165,7 +101,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
 
         layout = Dsv4MemoryLayout.from_config(self.config, page_size=cfg.page_size, kv_dtype=cfg.dtype)
-        self.pool_sizes = share_sizes(self.parallel, plan_sizes(layout, cfg))
+        self.pool_sizes = share_sizes(self.parallel, cfg.pool_sizes(layout))
         rank = build_rank(cfg, self.model, self.pool_sizes)
         self.layout, memory, self.runner = rank.layout, rank.memory, rank.runner
         self.kv_pool, self.req_pool, self.allocator = memory.kv, memory.req_pool, memory.allocator

@@ -1,10 +1,10 @@
 """`EngineConfig`: every setting of one engine in one place, with its defaults resolved.
 
-`LLMEngine`'s keyword arguments and `dsv4 serve`'s flags say what the user asked for; `EngineConfig.build`
-fills in the rest against the checkpoint and the device (the context cap, the chunk and token budget
-rules) and rejects what cannot work, naming the setting. The scheduler, the pools and the model runner
-then read their part from the result (`scheduler_config`, `runner_options`, the pool sizing in
-`engine.plan_sizes`) instead of each taking its own copy of the numbers.
+`EngineOptions` (options.py: `LLMEngine`'s keyword arguments, `dsv4 serve`'s flags) says what the user
+asked for; `EngineConfig.build` fills in the rest against the checkpoint and the device (the context
+cap, the chunk and token budget rules) and rejects what cannot work, naming the setting. The
+scheduler, the pools and the model runner then read their part from the result (`scheduler_config`,
+`pool_sizes`, `runner_options`) instead of each taking its own copy of the numbers.
 
 `kernels` says whether this engine uses the fused CPU kernels (`dsv4_engine.kernels`; default: on
 unless `DSV4_KERNELS=0`): the runner fixes its model's modules' choice with it
@@ -24,26 +24,27 @@ import torch
 
 from dsv4_engine.device import resolve_dtype, select_device
 from dsv4_engine.kernels import KERNELS_ENV
+from dsv4_engine.memory import Dsv4MemoryLayout, PoolSizes
+from dsv4_engine.memory.sizing import fixed_pool_sizes, plan_pool_sizes, pool_bytes, table_bytes
+from dsv4_engine.memory.state_tail import cdiv
+from dsv4_engine.options import (
+    DEFAULT_CHUNK_PAGES,
+    DEFAULT_DEVICE_MEMORY_FRACTION,
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MEMORY_FRACTION,
+    DEFAULT_PAGE_SIZE,
+    UNLIMITED_CHUNK,
+    EngineOptions,
+)
 from dsv4_engine.scheduler import SchedulerConfig
-
-DEFAULT_MAX_MODEL_LEN = 16384  # caps the RoPE tables; the real model allows 1M positions
-DEFAULT_MAX_NUM_SEQS = 64
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-DEFAULT_PAGE_SIZE = 128
-# Per-request prefill chunk when none is given: one page. Attention runs in query blocks over the
-# window keys each block can see, so its cost per token hardly depends on the chunk (on the small
-# preset, CPU, 1 and 2 pages prefill equally fast, 4 pages ~5% slower); many requests' chunks still
-# share one forward, so the linear layers see the whole token budget.
-DEFAULT_CHUNK_PAGES = 1
-# Without an explicit budget the pools take at most this share of the memory available at start
-# (host memory on CPU, free device memory otherwise), and never more than max_num_seqs full contexts.
-DEFAULT_MEMORY_FRACTION = {"cpu": 0.25}
-DEFAULT_DEVICE_MEMORY_FRACTION = 0.8
-UNLIMITED_CHUNK = -1  # chunked_prefill_size: chunks limited by the token budget only
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The options resolved: every size a number, `chunked_prefill_size` None for "the budget only"."""
+
     model: Path
     device: torch.device
     dtype: torch.dtype
@@ -58,8 +59,6 @@ class EngineConfig:
     tp_size: int = 1
     ep_size: int = 1
     kernels: bool = True
-    # One collective per process group before serving (parallel.groups.prewarm); off only to measure
-    # what it saves (bench/parallel.py).
     prewarm: bool = True
 
     @classmethod
@@ -70,63 +69,47 @@ class EngineConfig:
         device: str | torch.device = "cpu",
         *,
         max_position_embeddings: int,
-        max_model_len: int | None = None,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int | None = None,
-        chunked_prefill_size: int | None = None,
-        page_size: int = DEFAULT_PAGE_SIZE,
-        num_pages: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        enforce_eager: bool = True,
-        tp_size: int = 1,
-        ep_size: int = 1,
-        kernels: bool | None = None,
-        prewarm: bool = True,
+        **options: Any,
     ) -> EngineConfig:
-        """What was asked, resolved; max_position_embeddings is the checkpoint's (it caps the context)."""
-        for name, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("page_size", page_size),
-            ("tp_size", tp_size),
-            ("ep_size", ep_size),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if tp_size % ep_size:
-            raise ValueError(f"ep_size {ep_size} must divide tp_size {tp_size}")
-        if num_pages is not None and num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        chunk: int | None
-        if chunked_prefill_size is None:
-            chunk = DEFAULT_CHUNK_PAGES * page_size
-        elif chunked_prefill_size == UNLIMITED_CHUNK:
+        """What was asked (`EngineOptions`' fields), resolved; max_position_embeddings is the
+        checkpoint's (it caps the context)."""
+        asked = EngineOptions(**options)
+        asked.check()
+        page_size = DEFAULT_PAGE_SIZE if asked.page_size is None else asked.page_size
+        if asked.chunked_prefill_size is None:
+            chunk: int | None = DEFAULT_CHUNK_PAGES * page_size
+        elif asked.chunked_prefill_size == UNLIMITED_CHUNK:
             chunk = None
-        elif chunked_prefill_size <= 0 or chunked_prefill_size % page_size:
+        elif asked.chunked_prefill_size <= 0 or asked.chunked_prefill_size % page_size:
             raise ValueError(
-                f"chunked_prefill_size {chunked_prefill_size} must be -1 or a positive multiple of "
+                f"chunked_prefill_size {asked.chunked_prefill_size} must be -1 or a positive multiple of "
                 f"page_size {page_size}"
             )
         else:
-            chunk = chunked_prefill_size
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, chunk or 0)
+            chunk = asked.chunked_prefill_size
+        budget = asked.max_num_batched_tokens
+        if budget is None:
+            budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, chunk or 0)
+        kernels = asked.kernels
+        if kernels is None:
+            kernels = os.environ.get(KERNELS_ENV, "1") != "0"
         resolved_device = select_device(device)
         return cls(
             model=Path(model),
             device=resolved_device,
             dtype=resolve_dtype(dtype, resolved_device),
-            max_model_len=min(max_model_len or DEFAULT_MAX_MODEL_LEN, max_position_embeddings),
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=min(asked.max_model_len or DEFAULT_MAX_MODEL_LEN, max_position_embeddings),
+            max_num_seqs=DEFAULT_MAX_NUM_SEQS if asked.max_num_seqs is None else asked.max_num_seqs,
+            max_num_batched_tokens=budget,
             chunked_prefill_size=chunk,
             page_size=page_size,
-            num_pages=num_pages,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            enforce_eager=enforce_eager,
-            tp_size=tp_size,
-            ep_size=ep_size,
-            kernels=kernels if kernels is not None else os.environ.get(KERNELS_ENV, "1") != "0",
-            prewarm=prewarm,
+            num_pages=asked.num_pages,
+            kv_cache_memory_bytes=asked.kv_cache_memory_bytes,
+            enforce_eager=asked.enforce_eager,
+            tp_size=asked.tp_size,
+            ep_size=asked.ep_size,
+            kernels=kernels,
+            prewarm=asked.prewarm,
         )
 
     @property
@@ -151,3 +134,36 @@ class EngineConfig:
             "max_num_seqs": self.max_num_seqs,
             "kernels": self.kernels,
         }
+
+    def pool_sizes(self, layout: Dsv4MemoryLayout) -> PoolSizes:
+        """Pool sizes from `num_pages` (full pages; the other families by formula), an explicit byte
+        budget, or by default a share of available memory capped at max_num_seqs full contexts."""
+        kw = {"max_reqs": self.max_num_seqs, "max_batched_tokens": self.max_num_batched_tokens}
+        if self.num_pages is not None:
+            return fixed_pool_sizes(layout, self.num_pages, **kw)
+        budget = self.kv_cache_memory_bytes
+        if budget is None:
+            pages = self.max_num_seqs * cdiv(self.max_model_len, layout.page_size)
+            most = fixed_pool_sizes(layout, pages, **kw)
+            wanted = pool_bytes(layout, most) + table_bytes(self.max_num_seqs, self.max_model_len)
+            share = self.memory_fraction * available_memory(self.device)
+            if self.device.type == "cpu":  # every rank holds pools this size, all in the one host's memory
+                share /= self.tp_size
+            budget = min(wanted, int(share))
+        return plan_pool_sizes(layout, budget, max_ctx=self.max_model_len, **kw)
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the pools now: MemAvailable on CPU, the device's free memory otherwise."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "npu":
+        return int(torch.npu.mem_get_info(device)[0])  # type: ignore[attr-defined]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

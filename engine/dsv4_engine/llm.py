@@ -31,9 +31,10 @@ class LLM:
         model_path: str | Path,
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "cpu",
-        **engine_kwargs: object,
+        **options: object,
     ) -> None:
-        self.engine = LLMEngine(model_path, dtype=dtype, device=device, **engine_kwargs)
+        """`options`: `LLMEngine`'s keyword arguments (`EngineOptions`' fields, `tokenizer`)."""
+        self.engine = LLMEngine(model_path, dtype=dtype, device=device, **options)
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:

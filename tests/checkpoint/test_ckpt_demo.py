@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_engine import demo
+from dsv4_engine import demo, demo_train
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,9 +59,9 @@ def test_the_recipe_trains_saves_and_serves(tmp_path: Path, capsys: pytest.Captu
     from dsv4_engine.llm import LLM
     from dsv4_engine.sampling_params import SamplingParams
 
-    out = demo.train(tmp_path / "demo", steps=2, batch=2, seq_len=32, threads=1)
+    out = demo_train.train(tmp_path / "demo", steps=2, batch=2, seq_len=32, threads=1)
     printed = capsys.readouterr().out
-    again = demo.train(tmp_path / "again", steps=2, batch=2, seq_len=32, threads=1)
+    again = demo_train.train(tmp_path / "again", steps=2, batch=2, seq_len=32, threads=1)
     assert (again / "SHA256SUMS").read_text() == (out / "SHA256SUMS").read_text()  # seeded: the same bytes
     assert re.search(r"step 2/2 +loss \d+\.\d+ .*held-out \d+\.\d+", printed), printed
     assert re.search(r"held-out loss \d+\.\d+ -> \d+\.\d+ nats/token", printed), printed

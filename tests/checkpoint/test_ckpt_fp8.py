@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4_engine.loader import hf_name, load_checkpoint
+from dsv4_engine.ckpt_names import hf_name
+from dsv4_engine.loader import load_checkpoint
 
 
 def _raw_tensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from dsv4_engine.server import main as serve_main
-from dsv4_engine.server.args import SettingsError, build_parser, check, parse, resolve_device
+from dsv4_engine.server.args import build_parser, parse
+from dsv4_engine.server.preflight import SettingsError, check, resolve_device
 
 
 def test_sglang_and_vllm_names_are_aliases() -> None:

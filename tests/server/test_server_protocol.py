@@ -10,12 +10,12 @@ from pydantic import ValidationError
 
 from dsv4_engine.server.errors import ApiError, from_validation_errors
 from dsv4_engine.server.metrics import ServerMetrics
+from dsv4_engine.server.native_protocol import GenerateRequest
 from dsv4_engine.server.protocol import (
     OPENAI_CHAT_FIELDS,
     OPENAI_COMPLETION_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequest,
 )
 
 USER = [{"role": "user", "content": "hi"}]

@@ -21,11 +21,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from dsv4_engine.server import openai_routes, sglang_routes, test_hooks, tokenizer_routes
-from dsv4_engine.server.args import ServerSettings, resolve_device
+from dsv4_engine.server.args import ServerSettings
 from dsv4_engine.server.errors import install_handlers
 from dsv4_engine.server.generation import GenSpec, Lease, outcomes, sampling_params, start
 from dsv4_engine.server.metrics import CONTENT_TYPE
 from dsv4_engine.server.middleware import ServingMiddleware
+from dsv4_engine.server.preflight import resolve_device
 from dsv4_engine.server.state import Phase, ServerContext
 
 log = logging.getLogger("dsv4.server")

@@ -7,8 +7,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dsv4_engine.server.streaming import ClientGone
 
 # Pydantic error types that mean "wrong JSON type" rather than "bad value".
 _TYPE_ERRORS = ("_type", "model_attributes_type", "is_instance_of")
@@ -87,7 +89,7 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> ApiError:
         detail = (err.get("ctx") or {}).get("error", "")
         return bad_request(f"request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json")
     if kind == "extra_forbidden" and param is not None and param.isidentifier():
-        # Unknown top-level fields are dropped before validation (protocol._Request); one that is
+        # Unknown top-level fields are dropped before validation (validation.RequestBody); one that is
         # still here is a field OpenAI defines that the model does not declare.
         return bad_request(f"'{param}' is {UNSUPPORTED_MARK}", param, "unsupported_parameter")
     if kind == "extra_forbidden":
@@ -109,11 +111,16 @@ def _response(err: ApiError) -> JSONResponse:
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Every error leaves the server in the OpenAI shape, including FastAPI's own 404/405/422."""
+    """Every error leaves the server in the OpenAI shape, including FastAPI's own 404/405/422; a client
+    that left before its answer was ready gets an empty 499."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return _response(exc)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the access log does
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -19,7 +19,8 @@ from types import FrameType
 import uvicorn
 
 from dsv4_engine.server.app import create_app
-from dsv4_engine.server.args import ServerSettings, SettingsError, check, parse
+from dsv4_engine.server.args import ServerSettings, parse
+from dsv4_engine.server.preflight import SettingsError, check
 from dsv4_engine.server.state import ServerContext
 
 log = logging.getLogger("dsv4.server")

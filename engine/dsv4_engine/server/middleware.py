@@ -24,7 +24,7 @@ log = logging.getLogger("dsv4.server.access")
 
 REQUEST_ID_HEADER = "x-request-id"
 IGNORED_FIELDS_HEADER = "x-dsv4-ignored-fields"
-IGNORED_FIELDS_STATE = "ignored_fields"  # request.state key a route sets (openai_routes.report_ignored)
+IGNORED_FIELDS_STATE = "ignored_fields"  # request.state key a route sets (call.report_ignored)
 MAX_LISTED_FIELDS = 32  # a header (and log line) stays small whatever the body holds
 MAX_BODY_BYTES = 32 * 1024 * 1024
 _OPEN_PATHS = {"/health", "/metrics"}  # probes and scrapers carry no key

@@ -3,29 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.background import BackgroundTask
 
-from dsv4_engine.server import pd
+from dsv4_engine.server.call import Call, Streams, gen_spec
 from dsv4_engine.server.chat_output import ChatOutput
-from dsv4_engine.server.errors import ApiError, bad_request
-from dsv4_engine.server.generation import (
-    GenSpec,
-    Lease,
-    Outcome,
-    Piece,
-    check_token_ids,
-    outcomes,
-    prepare_sequences,
-    start_all,
-)
+from dsv4_engine.server.errors import bad_request
+from dsv4_engine.server.generation import GenSpec, Outcome, Piece, prepare_sequences
 from dsv4_engine.server.logprobs import (
     CompletionLogprobs,
     chat_content,
@@ -33,84 +22,22 @@ from dsv4_engine.server.logprobs import (
     merge_parts,
     token_text,
 )
-from dsv4_engine.server.middleware import IGNORED_FIELDS_STATE, field_list
 from dsv4_engine.server.prompts import encode_chat, encode_prompt
-from dsv4_engine.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    _Request,
-    _Sampling,
-    logit_bias_ids,
-    stop_list,
-)
+from dsv4_engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from dsv4_engine.server.state import ServerContext
-from dsv4_engine.server.streaming import DONE, ClientGone, merge, sse, sse_response, unless_disconnected
-from dsv4_engine.server.structured import chat_grammar, control_tokens, sglang_grammar
+from dsv4_engine.server.streaming import merge, sse
+from dsv4_engine.server.structured import chat_grammar, control_tokens
 
-log = logging.getLogger("dsv4.server")
 router = APIRouter()
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def _ctx(request: Request) -> ServerContext:
-    return request.app.state.ctx
-
-
-def spec_from(ctx: ServerContext, req: _Sampling) -> GenSpec:
+def spec_from(ctx: ServerContext, req: SamplingRequest) -> GenSpec:
     if req.seed is not None and req.sampling_seed is not None and req.seed != req.sampling_seed:
         raise bad_request("seed and sampling_seed disagree; give one", "sampling_seed")
-    bias = logit_bias_ids(req.logit_bias)
-    if bias:
-        check_token_ids(ctx, bias, "logit_bias")
-    return GenSpec(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k is None else req.top_k,
-        ignore_eos=bool(req.ignore_eos),
-        seed=req.seed if req.seed is not None else req.sampling_seed,
-        stop=stop_list(req.stop),
-        stop_token_ids=list(req.stop_token_ids or []),
-        skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        min_p=req.min_p or 0.0,
-        min_tokens=req.min_tokens or 0,
-        logit_bias=bias,
-        grammar=sglang_grammar(req.json_schema, req.regex),
-    )
-
-
-def report_ignored(request: Request, req: _Request) -> None:
-    """One warning per request naming the unknown fields it carried; the middleware then answers
-    with them in `x-dsv4-ignored-fields`. Call first, so that error answers carry the header too."""
-    ignored = req.ignored_fields
-    if not ignored:
-        return
-    setattr(request.state, IGNORED_FIELDS_STATE, ignored)
-    log.warning(
-        "%s: ignored request fields this server does not know: %s x-request-id=%s",
-        request.url.path,
-        field_list(ignored),
-        getattr(request.state, "request_id", "-"),
-    )
-
-
-def check_pd_fields(ctx: ServerContext, req: Any) -> None:
-    """PD bootstrap fields only make sense on a prefill or decode server."""
-    given = [
-        f
-        for f in ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key")
-        if getattr(req, f) is not None
-    ]
-    if given and ctx.settings.disaggregation_mode == "null":
-        raise bad_request(
-            f"'{given[0]}' is only accepted by a prefill or decode server; this one runs with "
-            "--disaggregation-mode null",
-            given[0],
-            "unsupported_parameter",
-        )
+    seed = req.seed if req.seed is not None else req.sampling_seed
+    return gen_spec(ctx, req, seed=seed, min_tokens=req.min_tokens)
 
 
 def usage(prompts: list[list[int]], outs: list[Outcome]) -> dict[str, int]:
@@ -120,59 +47,10 @@ def usage(prompts: list[list[int]], outs: list[Outcome]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def finished(
-    ctx: ServerContext,
-    request: Request,
-    kind: str,
-    out: Outcome,
-    arrival: float,
-    *,
-    metrics: bool = True,
-    logs: bool = True,
-) -> None:
-    """Per-request metrics and one log line (x-request-id included, never the prompt)."""
-    e2e = time.monotonic() - arrival
-    if metrics:
-        ctx.metrics.e2e.observe(e2e)
-        ctx.metrics.finished.labels(out.finish_reason).inc()
-    if not logs:
-        return
-    ttft = "-" if out.ttft is None else f"{out.ttft * 1000:.1f}ms"
-    log.info(
-        "%s done x-request-id=%s prompt_tokens=%d completion_tokens=%d finish=%s ttft=%s e2e=%.1fms",
-        kind,
-        getattr(request.state, "request_id", "-"),
-        out.prompt_tokens,
-        out.completion_tokens,
-        out.finish_reason,
-        ttft,
-        e2e * 1000,
-    )
-
-
-async def _collect(
-    ctx: ServerContext,
-    request: Request,
-    kind: str,
-    streams: list[AsyncIterator[Piece | Outcome]],
-    arrival: float,
-) -> list[Outcome]:
-    results: list[Outcome | None] = [None] * len(streams)
-    async for i, item in merge(streams):
-        if isinstance(item, Outcome):
-            results[i] = item
-            finished(ctx, request, kind, item, arrival)
-    return [r for r in results if r is not None]
-
-
 @router.post("/v1/completions", response_model=None)
 async def completions(req: CompletionRequest, request: Request) -> Response:
-    arrival = time.monotonic()
-    report_ignored(request, req)
-    ctx = _ctx(request)
-    pd.check_admission(ctx, req)
-    ctx.require_model(req.model)
-    check_pd_fields(ctx, req)
+    call = Call.begin(request, req, "completion")
+    ctx = call.ctx
     n = req.n or 1
     texts = req.prompts()
     prompts = [await encode_prompt(ctx, p) for p in texts]
@@ -192,22 +70,13 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         spec.hide_output = True
     seqs, params = prepare_sequences(ctx, spec, prompts, max(requested, 1), n, "prompt", "max_tokens")
     echoes = [(p if isinstance(p, str) else ctx.tokenizer.decode(p)) if req.echo else "" for p in texts]
-    lease = start_all(ctx, seqs, params, arrival=arrival, targets=pd.targets(ctx, req, len(prompts), n))
-    streams = [outcomes(ctx, h, spec) for h in lease.handles]
+    streams = call.start(req, spec, seqs, params, n)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     shape = _Choices(ctx, req, prompts, echoes, n)
     if req.stream:
-        body = _stream_completion(ctx, request, req, streams, lease, rid, created, shape, arrival)
-        return sse_response(body, background=BackgroundTask(lease.close))
-    try:
-        outs = await unless_disconnected(
-            request, lambda: _collect(ctx, request, "completion", streams, arrival)
-        )
-    except ClientGone:
-        return Response(status_code=499)
-    finally:
-        lease.close()
+        return call.stream(_stream_completion(call, req, streams, rid, created, shape))
+    outs = await call.collect(streams)
     choices = [
         {
             "index": i,
@@ -279,7 +148,7 @@ class _Usage:
         return {"prompt_tokens": self.prompt, "completion_tokens": done, "total_tokens": self.prompt + done}
 
 
-def _chunk_usage(req: _Sampling, progress: _Usage) -> dict[str, Any]:
+def _chunk_usage(req: SamplingRequest, progress: _Usage) -> dict[str, Any]:
     if req.continuous_usage():
         return {"usage": progress.body()}
     return {"usage": None} if req.include_usage() else {}
@@ -312,19 +181,11 @@ class _Held:
 
 
 async def _stream_completion(
-    ctx: ServerContext,
-    request: Request,
-    req: CompletionRequest,
-    streams: list[AsyncIterator[Piece | Outcome]],
-    lease: Lease,
-    rid: str,
-    created: int,
-    shape: _Choices,
-    arrival: float,
-) -> AsyncIterator[bytes]:
+    call: Call, req: CompletionRequest, streams: Streams, rid: str, created: int, shape: _Choices
+) -> AsyncGenerator[bytes, None]:
     progress = _Usage(shape.prompts, len(streams))
     every_piece = req.continuous_usage()  # then empty pieces are sent too: each carries token counts
-    head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+    head = {"id": rid, "object": "text_completion", "created": created, "model": call.ctx.model_name}
     # With logprobs the echo waits for the prompt's logprobs, which come with the first output.
     echo_late = bool(req.echo) and req.logprobs is not None
     echoed = [False] * len(streams)
@@ -334,42 +195,31 @@ async def _stream_completion(
         choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
         return sse({**head, "choices": [choice], **_chunk_usage(req, progress)})
 
-    try:
-        for i in range(len(streams)):
-            if shape.echo(i) and not echo_late:
-                yield chunk(i, shape.echo(i), None)
-        async with contextlib.aclosing(merge(streams)) as merged:
-            async for i, item in merged:
-                progress.add(i, item)
-                if echo_late and not echoed[i]:
-                    echoed[i] = True
-                    yield chunk(i, shape.echo(i), None, shape.prompt_part(i, item))
-                if isinstance(item, Piece):
-                    held.add(i, item)
-                    if item.text or every_piece:
-                        yield chunk(i, item.text, None, shape.part(i, *held.take(i)))
-                else:
-                    finished(ctx, request, "completion", item, arrival)
-                    entries, ids = held.rest(i, item)
-                    yield chunk(i, "", item.finish_reason, shape.part(i, entries, ids) if entries else None)
-        if req.include_usage():
-            yield sse({**head, "choices": [], "usage": progress.body()})
-        yield DONE
-    except ApiError as err:  # the response has started: report in-band, then end the stream
-        yield sse(err.body())
-        yield DONE
-    finally:
-        lease.close()
+    for i in range(len(streams)):
+        if shape.echo(i) and not echo_late:
+            yield chunk(i, shape.echo(i), None)
+    async with contextlib.aclosing(merge(streams)) as merged:
+        async for i, item in merged:
+            progress.add(i, item)
+            if echo_late and not echoed[i]:
+                echoed[i] = True
+                yield chunk(i, shape.echo(i), None, shape.prompt_part(i, item))
+            if isinstance(item, Piece):
+                held.add(i, item)
+                if item.text or every_piece:
+                    yield chunk(i, item.text, None, shape.part(i, *held.take(i)))
+            else:
+                call.finished(item)
+                entries, ids = held.rest(i, item)
+                yield chunk(i, "", item.finish_reason, shape.part(i, entries, ids) if entries else None)
+    if req.include_usage():
+        yield sse({**head, "choices": [], "usage": progress.body()})
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-    arrival = time.monotonic()
-    report_ignored(request, req)
-    ctx = _ctx(request)
-    pd.check_admission(ctx, req)
-    ctx.require_model(req.model)
-    check_pd_fields(ctx, req)
+    call = Call.begin(request, req, "chat")
+    ctx = call.ctx
     n = req.n or 1
     ids = await encode_chat(ctx, req)
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -381,19 +231,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         raise bad_request("give response_format/tool_choice or json_schema/regex, not both", "json_schema")
     spec.grammar = chat or spec.grammar
     seqs, params = prepare_sequences(ctx, spec, [ids], req.token_limit(), n, "messages", limit)
-    lease = start_all(ctx, seqs, params, arrival=arrival, targets=pd.targets(ctx, req, 1, n))
-    streams = [outcomes(ctx, h, spec) for h in lease.handles]
+    streams = call.start(req, spec, seqs, params, n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if req.stream:
-        body = _stream_chat(ctx, request, req, streams, lease, rid, created, [ids], arrival)
-        return sse_response(body, background=BackgroundTask(lease.close))
-    try:
-        outs = await unless_disconnected(request, lambda: _collect(ctx, request, "chat", streams, arrival))
-    except ClientGone:
-        return Response(status_code=499)
-    finally:
-        lease.close()
+        return call.stream(_stream_chat(call, req, streams, rid, created, [ids]))
+    outs = await call.collect(streams)
     words = token_text(ctx.tokenizer) if req.logprobs else None
     shaped = [ChatOutput(req) for _ in outs]
     choices = [
@@ -420,20 +263,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
 
 
 async def _stream_chat(
-    ctx: ServerContext,
-    request: Request,
-    req: ChatCompletionRequest,
-    streams: list[AsyncIterator[Piece | Outcome]],
-    lease: Lease,
-    rid: str,
-    created: int,
-    prompts: list[list[int]],
-    arrival: float,
-) -> AsyncIterator[bytes]:
+    call: Call, req: ChatCompletionRequest, streams: Streams, rid: str, created: int, prompts: list[list[int]]
+) -> AsyncGenerator[bytes, None]:
     progress = _Usage(prompts, len(streams))
     every_piece = req.continuous_usage()
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
-    words = token_text(ctx.tokenizer) if req.logprobs else None
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": call.ctx.model_name}
+    words = token_text(call.ctx.tokenizer) if req.logprobs else None
     top = req.top_logprobs or 0
     held = _Held(len(streams))
 
@@ -445,27 +280,20 @@ async def _stream_chat(
         return sse({**head, "choices": [choice], **_chunk_usage(req, progress)})
 
     shaped = [ChatOutput(req) for _ in streams]
-    try:
-        for i in range(len(streams)):
-            yield chunk(i, {"role": "assistant", "content": ""}, None)
-        async with contextlib.aclosing(merge(streams)) as merged:
-            async for i, item in merged:
-                progress.add(i, item)
-                if isinstance(item, Piece):
-                    held.add(i, item)
-                    delta = shaped[i].delta(item.text) if shaped[i].active else {"content": item.text}
-                    if (item.text and delta) or every_piece:
-                        yield chunk(i, delta, None, held.take(i)[0])
-                    continue
-                finished(ctx, request, "chat", item, arrival)
-                if rest := shaped[i].finish():
-                    yield chunk(i, rest, None)
-                yield chunk(i, {}, shaped[i].finish_reason(item.finish_reason), held.rest(i, item)[0])
-        if req.include_usage():
-            yield sse({**head, "choices": [], "usage": progress.body()})
-        yield DONE
-    except ApiError as err:
-        yield sse(err.body())
-        yield DONE
-    finally:
-        lease.close()
+    for i in range(len(streams)):
+        yield chunk(i, {"role": "assistant", "content": ""}, None)
+    async with contextlib.aclosing(merge(streams)) as merged:
+        async for i, item in merged:
+            progress.add(i, item)
+            if isinstance(item, Piece):
+                held.add(i, item)
+                delta = shaped[i].delta(item.text) if shaped[i].active else {"content": item.text}
+                if (item.text and delta) or every_piece:
+                    yield chunk(i, delta, None, held.take(i)[0])
+                continue
+            call.finished(item)
+            if rest := shaped[i].finish():
+                yield chunk(i, rest, None)
+            yield chunk(i, {}, shaped[i].finish_reason(item.finish_reason), held.rest(i, item)[0])
+    if req.include_usage():
+        yield sse({**head, "choices": [], "usage": progress.body()})

@@ -8,7 +8,8 @@ from typing import Any
 
 from dsv4_engine.server.errors import bad_request
 from dsv4_engine.server.generation import check_token_ids
-from dsv4_engine.server.protocol import ChatCompletionRequest, ChatMessage, Tool
+from dsv4_engine.server.messages import ChatMessage, Tool
+from dsv4_engine.server.protocol import ChatCompletionRequest
 from dsv4_engine.server.state import ServerContext
 
 # Tokenising this much text inline would hold the event loop for more than about a millisecond.

@@ -11,44 +11,35 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.background import BackgroundTask
 
 from dsv4_engine import package_version
-from dsv4_engine.server import pd
-from dsv4_engine.server.errors import ApiError, bad_request, unavailable
+from dsv4_engine.server.call import Call, Streams, context, gen_spec
+from dsv4_engine.server.errors import bad_request, unavailable
 from dsv4_engine.server.generation import (
     GenSpec,
     Lease,
     Outcome,
     Piece,
-    check_token_ids,
     outcomes,
     prepare_sequences,
     sampling_params,
     start,
-    start_all,
 )
 from dsv4_engine.server.logprobs import sglang_logprobs, token_text
-from dsv4_engine.server.openai_routes import check_pd_fields, finished, report_ignored
+from dsv4_engine.server.native_protocol import GenerateRequest
 from dsv4_engine.server.prompts import encode_prompt
-from dsv4_engine.server.protocol import GenerateRequest, logit_bias_ids, stop_list
 from dsv4_engine.server.state import Phase, ServerContext
-from dsv4_engine.server.streaming import DONE, ClientGone, merge, sse, sse_response, unless_disconnected
-from dsv4_engine.server.structured import sglang_grammar
+from dsv4_engine.server.streaming import merge, sse
 
 router = APIRouter()
 
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 HEALTH_GENERATE_TIMEOUT = 20.0
-
-
-def _ctx(request: Request) -> ServerContext:
-    return request.app.state.ctx
 
 
 def server_info(ctx: ServerContext) -> dict[str, Any]:
@@ -105,13 +96,13 @@ def model_info(ctx: ServerContext) -> dict[str, Any]:
 @router.get("/server_info")
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> dict[str, Any]:
-    return server_info(_ctx(request))
+    return server_info(context(request))
 
 
 @router.get("/model_info")
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict[str, Any]:
-    ctx = _ctx(request)
+    ctx = context(request)
     if ctx.facts is None:
         raise unavailable("the model is still loading", retry_after=5, code="server_loading")
     return model_info(ctx)
@@ -119,7 +110,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 
 @router.get("/get_load")
 async def get_load(request: Request) -> list[dict[str, Any]]:
-    ctx = _ctx(request)
+    ctx = context(request)
     snap = ctx.bridge.metrics() if ctx.bridge is not None else {}
     handles = ctx.bridge.open_handles() if ctx.bridge is not None else []
     waiting = ctx.bridge.waiting() if ctx.bridge is not None else 0
@@ -136,7 +127,7 @@ async def get_load(request: Request) -> list[dict[str, Any]]:
 
 @router.post("/flush_cache")
 async def flush_cache(request: Request) -> PlainTextResponse:
-    _ctx(request)
+    context(request)
     # The engine keeps no prefix cache across requests, so there is nothing to flush.
     return PlainTextResponse("Cache flushed.\n")
 
@@ -144,7 +135,7 @@ async def flush_cache(request: Request) -> PlainTextResponse:
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """200 once one token went through the engine; 503 when not serving or the engine is stuck."""
-    ctx = _ctx(request)
+    ctx = context(request)
     if ctx.phase != Phase.READY:
         raise unavailable(f"server is {ctx.phase.value}", code=f"server_{ctx.phase.value}")
     arrival = time.monotonic()
@@ -170,26 +161,7 @@ def _spec(ctx: ServerContext, req: GenerateRequest) -> GenSpec:
     sp = req.sampling_params
     if sp is None:
         return GenSpec()
-    bias = logit_bias_ids(sp.logit_bias)
-    if bias:
-        check_token_ids(ctx, bias, "sampling_params.logit_bias")
-    return GenSpec(
-        temperature=1.0 if sp.temperature is None else sp.temperature,
-        top_p=1.0 if sp.top_p is None else sp.top_p,
-        top_k=-1 if sp.top_k is None else sp.top_k,
-        ignore_eos=bool(sp.ignore_eos),
-        seed=sp.sampling_seed,
-        stop=stop_list(sp.stop),
-        stop_token_ids=list(sp.stop_token_ids or []),
-        skip_special_tokens=True if sp.skip_special_tokens is None else sp.skip_special_tokens,
-        presence_penalty=sp.presence_penalty or 0.0,
-        frequency_penalty=sp.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if sp.repetition_penalty is None else sp.repetition_penalty,
-        min_p=sp.min_p or 0.0,
-        min_tokens=sp.min_new_tokens or 0,
-        logit_bias=bias,
-        grammar=sglang_grammar(sp.json_schema, sp.regex, "sampling_params."),
-    )
+    return gen_spec(ctx, sp, seed=sp.sampling_seed, min_tokens=sp.min_new_tokens, prefix="sampling_params.")
 
 
 def _finish(out: Outcome) -> dict[str, Any]:
@@ -301,12 +273,9 @@ def _result(
 
 @router.post("/generate", response_model=None)
 async def generate(req: GenerateRequest, request: Request) -> Response:
-    arrival = time.monotonic()
-    report_ignored(request, req)
-    ctx = _ctx(request)
-    pd.check_admission(ctx, req)
-    ctx.require_model(req.model)
-    check_pd_fields(ctx, req)
+    # SGLang's switches: `log_metrics: false` (probes) and `no_logs`.
+    call = Call.begin(request, req, "generate", metrics=req.log_metrics is not False, logs=not req.no_logs)
+    ctx = call.ctx
     if req.stream and req.is_batch():
         raise bad_request("stream=true needs a single prompt, not a batch", "stream")
     texts = req.prompts()
@@ -328,70 +297,35 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
         ctx, spec, prompts, requested, n, prompt_param, "sampling_params.max_new_tokens",
         min_tokens_param="sampling_params.min_new_tokens",
     )  # fmt: skip
-    log_metrics = req.log_metrics is not False  # SGLang's switch, e.g. for probes
-    targets = pd.targets(ctx, req, len(prompts), n)
-    lease = start_all(ctx, seqs, params, arrival=arrival, observe=log_metrics, targets=targets)
-    streams = [outcomes(ctx, h, spec) for h in lease.handles]
+    streams = call.start(req, spec, seqs, params, n)
     if req.stream:
-        flags = {"metrics": log_metrics, "logs": not req.no_logs}
-        body = _stream(ctx, request, streams, lease, rids[0], prompts[0], arrival, lp, flags)
-        return sse_response(body, background=BackgroundTask(lease.close))
-
-    async def collect() -> list[Outcome]:
-        results: list[Outcome | None] = [None] * len(streams)
-        async for i, item in merge(streams):
-            if isinstance(item, Outcome):
-                results[i] = item
-                finished(ctx, request, "generate", item, arrival, metrics=log_metrics, logs=not req.no_logs)
-        return [r for r in results if r is not None]
-
-    try:
-        outs = await unless_disconnected(request, collect)
-    except ClientGone:
-        return Response(status_code=499)
-    finally:
-        lease.close()
+        return call.stream(_stream(call, streams, rids[0], prompts[0], lp))
+    outs = await call.collect(streams)
     results = []
     for i, o in enumerate(outs):
         prompt = seqs[i]
         meta = lp.meta(prompt, o.prompt_logprobs, o.token_ids, o.logprobs)
-        results.append(_result(rids[i // n], o.text, o.token_ids, prompt, o, arrival, meta))
+        results.append(_result(rids[i // n], o.text, o.token_ids, prompt, o, call.arrival, meta))
     return JSONResponse(results if req.is_batch() or n > 1 else results[0])
 
 
 async def _stream(
-    ctx: ServerContext,
-    request: Request,
-    streams: list[AsyncIterator[Piece | Outcome]],
-    lease: Lease,
-    rid: str,
-    prompt: list[int],
-    arrival: float,
-    lp: _Logprobs,
-    flags: dict[str, bool],
-) -> AsyncIterator[bytes]:
+    call: Call, streams: Streams, rid: str, prompt: list[int], lp: _Logprobs
+) -> AsyncGenerator[bytes, None]:
     # SGLang streams cumulative text, output_ids and logprobs in every chunk; with n > 1 each chunk
     # names its choice (`index`).
-    metrics, logs = flags["metrics"], flags["logs"]
-    n = len(streams)
+    n, arrival = len(streams), call.arrival
     text, ids = [""] * n, [[] for _ in range(n)]
     logprobs = [_StreamedLogprobs(lp, prompt) for _ in range(n)]
-    try:
-        async with contextlib.aclosing(merge(streams)) as items:
-            async for i, item in items:
-                index = i if n > 1 else None
-                if isinstance(item, Piece):
-                    text[i] += item.text
-                    ids[i].extend(item.token_ids)
-                    meta = logprobs[i].piece(item)
-                    yield sse(_result(rid, text[i], ids[i], prompt, None, arrival, meta, index))
-                else:
-                    finished(ctx, request, "generate", item, arrival, metrics=metrics, logs=logs)
-                    meta = logprobs[i].outcome(item)
-                    yield sse(_result(rid, item.text, item.token_ids, prompt, item, arrival, meta, index))
-        yield DONE
-    except ApiError as err:
-        yield sse(err.body())
-        yield DONE
-    finally:
-        lease.close()
+    async with contextlib.aclosing(merge(streams)) as items:
+        async for i, item in items:
+            index = i if n > 1 else None
+            if isinstance(item, Piece):
+                text[i] += item.text
+                ids[i].extend(item.token_ids)
+                meta = logprobs[i].piece(item)
+                yield sse(_result(rid, text[i], ids[i], prompt, None, arrival, meta, index))
+            else:
+                call.finished(item)
+                meta = logprobs[i].outcome(item)
+                yield sse(_result(rid, item.text, item.token_ids, prompt, item, arrival, meta, index))

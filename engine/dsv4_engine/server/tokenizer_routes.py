@@ -13,11 +13,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from dsv4_engine.server.call import context, report_ignored
 from dsv4_engine.server.errors import bad_request, unavailable
 from dsv4_engine.server.generation import check_token_ids
-from dsv4_engine.server.openai_routes import report_ignored
+from dsv4_engine.server.messages import check_continue
+from dsv4_engine.server.native_protocol import DetokenizeRequest, TokenizeRequest
 from dsv4_engine.server.prompts import encode_messages, template_tools, tokenize_text
-from dsv4_engine.server.protocol import DetokenizeRequest, TokenizeRequest, check_continue
 from dsv4_engine.server.state import ServerContext
 
 router = APIRouter()
@@ -27,7 +28,7 @@ _CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_
 
 
 def _ctx(request: Request) -> ServerContext:
-    ctx: ServerContext = request.app.state.ctx
+    ctx = context(request)
     if ctx.tokenizer is None or ctx.facts is None:
         raise unavailable("the model is still loading", retry_after=5, code="server_loading")
     return ctx
