@@ -22,7 +22,8 @@ from dsv4_engine.server import test_hooks
 from dsv4_engine.server.args import ServerSettings
 from dsv4_engine.server.bridge import EngineBridge, ErrorEvent, RequestHandle
 from dsv4_engine.server.errors import ApiError, bad_request
-from dsv4_engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from dsv4_engine.server.native_protocol import GenerateRequest
+from dsv4_engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from dsv4_engine.server.state import ServerContext
 
 if TYPE_CHECKING:
