@@ -122,8 +122,11 @@ def train(
     seq_len: int = SEQ_LEN,
     threads: int = THREADS,
     check_corpus: bool = True,
+    heldout_limit: int | None = None,
 ) -> Path:
-    """Run the recipe; writes the checkpoint, its tokenizer, demo.json and SHA256SUMS to out_dir."""
+    """Run the recipe; writes the checkpoint, its tokenizer, demo.json and SHA256SUMS to out_dir.
+    heldout_limit: evaluate the held-out loss on the first that many windows only (the recipe uses
+    all; evaluation is most of a short run's time)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -139,7 +142,7 @@ def train(
         write_tokenizer(out, VOCAB_SIZE, cfg["max_position_embeddings"], corpus.train)
         tok = AutoTokenizer.from_pretrained(str(out))
         docs = documents(corpus, tok)
-        held = heldout_windows(corpus, tok, seq_len)
+        held = heldout_windows(corpus, tok, seq_len)[:heldout_limit]
         n_train = sum(map(len, docs))
         chars = sum(map(len, corpus.train))
         text_tokens = sum(len(d) - 2 for d in docs[: len(corpus.train)])  # the chunks, without BOS/EOS

@@ -59,9 +59,11 @@ def test_the_recipe_trains_saves_and_serves(tmp_path: Path, capsys: pytest.Captu
     from dsv4_engine.llm import LLM
     from dsv4_engine.sampling_params import SamplingParams
 
-    out = demo_train.train(tmp_path / "demo", steps=2, batch=2, seq_len=32, threads=1)
+    short = {"steps": 2, "batch": 2, "seq_len": 32, "threads": 1, "heldout_limit": 8}
+    out = demo_train.train(tmp_path / "demo", **short)
     printed = capsys.readouterr().out
-    again = demo_train.train(tmp_path / "again", steps=2, batch=2, seq_len=32, threads=1)
+    assert "(8 windows of 32)" in printed
+    again = demo_train.train(tmp_path / "again", **short)
     assert (again / "SHA256SUMS").read_text() == (out / "SHA256SUMS").read_text()  # seeded: the same bytes
     assert re.search(r"step 2/2 +loss \d+\.\d+ .*held-out \d+\.\d+", printed), printed
     assert re.search(r"held-out loss \d+\.\d+ -> \d+\.\d+ nats/token", printed), printed
