@@ -377,6 +377,7 @@ def test_sparse_flash_attention_with_sinks_on_a_paged_cache(torch_npu: ModuleTyp
         ({"dtype": torch.float32}, "query has dtype torch.float32"),
         ({"block": 24}, "multiple of 16"),
         ({"transposed": True}, "query must be contiguous"),
+        ({"strided_cache": True}, "key must be contiguous"),  # a cache sliced out of a wider buffer
     ],
 )
 def test_sparse_flash_attention_rejects(reference_npu: ModuleType, change: dict, match: str) -> None:
@@ -385,6 +386,8 @@ def test_sparse_flash_attention_rejects(reference_npu: ModuleType, change: dict,
     q = torch.zeros(4, 1, d, dtype=dtype)
     query = npu(torch.zeros(4, 1, 2 * d, dtype=dtype))[..., :d] if change.get("transposed") else npu(q)
     cache = npu(torch.zeros(2, block, 1, d, dtype=dtype))
+    if change.get("strided_cache"):  # e.g. the latent part of a [.., 512 + 64] buffer
+        cache = npu(torch.zeros(2, block, 1, d + 64, dtype=dtype))[..., :d]
     sel = npu(torch.zeros(4, 1, 2, dtype=change.get("sel_dtype", torch.int32)))
     with pytest.raises(RuntimeError, match=match):
         torch_npu.npu_sparse_flash_attention(
