@@ -39,6 +39,9 @@ CONFIG_MOUNT = "/etc/dsv4"
 PROBE_PERIOD_SECONDS = 10
 ROUTER_COMMAND = ("python3", "-m", "sglang_router.launch_router")
 SERVE_COMMAND = ("dsv4", "serve")
+# On NPUs the server starts through the engine-ascend image's entrypoint, which sources CANN's
+# set_env.sh first (torch_npu needs CANN's libraries on LD_LIBRARY_PATH when Python starts).
+ASCEND_SERVE_COMMAND = ("dsv4-ascend", "serve")
 ROUTER_HEALTH_INTERVAL_SECONDS = 5
 ROUTER_HEALTH_FAILURES = 2
 
@@ -214,7 +217,7 @@ def plan(
             selector=sel,
             labels=common_labels(name) | {L_COMPONENT: role} | sel,
             ports=ports,
-            command=SERVE_COMMAND,
+            command=ASCEND_SERVE_COMMAND if eng.device == "npu" else SERVE_COMMAND,
             args=tuple(args),
         )
     # Kubernetes substitutes $(VAR) in args from the container's env: no namespace or key is baked in.

@@ -21,13 +21,14 @@ def _field_env(name: str, path: str) -> Obj:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def _pod_security(dep: Dsv4Deployment) -> Obj:
+def _pod_security(dep: Dsv4Deployment, groups: list[int] | None = None) -> Obj:
     ps = dep.spec.pod_security
     return {
         "runAsNonRoot": True,
         "runAsUser": ps.run_as_user,
         "runAsGroup": ps.run_as_group,
         "fsGroup": ps.fs_group,
+        **({"supplementalGroups": groups} if groups else {}),
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
@@ -90,18 +91,36 @@ def _pull_secrets(dep: Dsv4Deployment) -> Obj:
     return {"imagePullSecrets": [{"name": s.name} for s in secrets]} if secrets else {}
 
 
+# What the Ascend Docker Runtime would inject, mounted from the node when it does not (mountDriver):
+# the driver, DCMI and npu-smi (device queries), and the install record CANN reads.
+ASCEND_HOST_FILES = (
+    ("ascend-dcmi", "/usr/local/dcmi", "Directory"),
+    ("npu-smi", "/usr/local/bin/npu-smi", "File"),
+    ("ascend-install-info", "/etc/ascend_install.info", "File"),
+)
+
+
+def _ascend_host_paths(dep: Dsv4Deployment) -> list[tuple[str, str, str]]:
+    """(volume name, node path mounted read-only at the same path, hostPath type) for NPU servers."""
+    asc = dep.spec.ascend
+    out = [("hccn-conf", asc.hccn_conf_path, "File")] if asc.mount_hccn_conf else []
+    if asc.mount_driver:
+        out += [("ascend-driver", asc.driver_path, "Directory"), *ASCEND_HOST_FILES]
+    return out
+
+
 def worker_statefulset(dep: Dsv4Deployment, p: Plan, rp: RolePlan, meta: Obj) -> Obj:
     spec, eng = dep.spec, dep.spec.engine
     role: RoleSpec = getattr(spec, rp.role)
-    npu = eng.device != "cpu"
-    asc = spec.ascend
+    npu = eng.device != "cpu"  # an accelerator (NPU or GPU): the pod requests npusPerPod of it
+    ascend, asc = eng.device == "npu", spec.ascend
     env = [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
         _field_env("POD_IP", "status.podIP"),
         {"name": "DSV4_ROLE", "value": rp.role},
     ]
-    if eng.device == "npu":
+    if ascend:
         env += [
             _field_env("HCCL_IF_IP", "status.podIP"),
             {"name": "HCCL_SOCKET_IFNAME", "value": asc.hccl_socket_ifname},
@@ -119,12 +138,9 @@ def worker_statefulset(dep: Dsv4Deployment, p: Plan, rp: RolePlan, meta: Obj) ->
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    if eng.device == "npu" and asc.mount_hccn_conf:
-        volumes.append({"name": "hccn-conf", "hostPath": {"path": asc.hccn_conf_path, "type": "File"}})
-        mounts.append({"name": "hccn-conf", "mountPath": asc.hccn_conf_path, "readOnly": True})
-    if eng.device == "npu" and asc.mount_driver:
-        volumes.append({"name": "ascend-driver", "hostPath": {"path": asc.driver_path, "type": "Directory"}})
-        mounts.append({"name": "ascend-driver", "mountPath": asc.driver_path, "readOnly": True})
+    for vol, path, kind in _ascend_host_paths(dep) if ascend else ():
+        volumes.append({"name": vol, "hostPath": {"path": path, "type": kind}})
+        mounts.append({"name": vol, "mountPath": path, "readOnly": True})
     annotations = dict(sorted((spec.pod_annotations or {}).items()))
     if rp.role == "prefill":
         annotations[A_BOOTSTRAP_PORT] = str(eng.bootstrap_port)
@@ -149,7 +165,14 @@ def worker_statefulset(dep: Dsv4Deployment, p: Plan, rp: RolePlan, meta: Obj) ->
         "automountServiceAccountToken": False,  # servers never talk to the API
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": eng.grace_period_seconds + 30,
-        "securityContext": _pod_security(dep),
+        # The driver's devices and files belong to HwHiAiUser's group on the node.
+        "securityContext": _pod_security(dep, [asc.driver_group_id] if ascend else None),
+        # In the node's namespace the pod still resolves cluster names (ClusterFirst alone would not).
+        **(
+            {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
+            if ascend and asc.host_network
+            else {}
+        ),
         **_pull_secrets(dep),
         **_placement(role),
         "containers": [container],

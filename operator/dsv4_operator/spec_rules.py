@@ -27,6 +27,9 @@ RESERVED_ENV = (
     "POD_NAME",
     "POD_NAMESPACE",
 )
+# Set by the NPU device plugin (and its container runtime) for the NPUs the pod was given: a user value
+# would point the engine at NPUs it was not allocated.
+DEVICE_ENV = ("ASCEND_RT_VISIBLE_DEVICES", "ASCEND_VISIBLE_DEVICES")
 BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"
 # Which Mooncake transports can move KV out of which device's memory.
 PROTOCOLS = {"cpu": ("tcp",), "npu": ("ascend",), "cuda": ("rdma", "tcp")}
@@ -73,6 +76,13 @@ def check(dep: Dsv4Deployment) -> Problems:
         if env.name in RESERVED_ENV:
             out.append(
                 (f"spec.engine.env[{i}].name", f"{env.name} is set by the operator and cannot be overridden")
+            )
+        if env.name in DEVICE_ENV:
+            out.append(
+                (
+                    f"spec.engine.env[{i}].name",
+                    f"{env.name} is set by the NPU device plugin for the NPUs allocated to the pod",
+                )
             )
         if env.name in seen:
             out.append((f"spec.engine.env[{i}].name", f"duplicate environment variable {env.name}"))

@@ -178,9 +178,14 @@ class SecretKeyRef(_Model):
 class AscendSpec(_Model):
     mount_hccn_conf: bool = True
     hccn_conf_path: AbsPath = "/etc/hccn.conf"
+    # The driver and its tools (dcmi, npu-smi, ascend_install.info), unless a runtime injects them.
     mount_driver: bool = True
     driver_path: AbsPath = "/usr/local/Ascend/driver"
     hccl_socket_ifname: Annotated[str, Field(pattern=IFNAME_RE, max_length=256)] = "eth0"
+    # The node's network namespace for the servers: HCCL and Mooncake then use the node's NICs.
+    host_network: bool = False
+    # HwHiAiUser's gid on the nodes (MindCluster creates it as 1000): the pods join it to use the driver.
+    driver_group_id: Annotated[int, Field(ge=0, le=2147483647)] = 1000
 
 
 class RolloutSpec(_Model):

@@ -146,7 +146,7 @@ def test_worker_statefulsets(minimal: dict[str, Any]) -> None:
         c = container(sts)
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-        assert c["command"] == ["dsv4", "serve"]
+        assert c["command"] == ["dsv4-ascend", "serve"]  # the engine-ascend entrypoint (CANN set_env)
         serve_parser().parse_args(c["args"])  # the real `dsv4 serve` parser accepts them (exits if not)
         args = dict(zip(c["args"][::2], c["args"][1::2], strict=True))
         assert args["--disaggregation-mode"] == role
@@ -332,7 +332,7 @@ def test_engine_config_map(minimal: dict[str, Any]) -> None:
     assert config["fingerprint"] == deployment_fingerprint(dep)
     assert config["engine"]["pageSize"] == 128
     args = shlex.split(cm["data"]["prefill.command"])
-    assert args[:2] == ["dsv4", "serve"] and "--bootstrap-port" in args
+    assert args[:2] == ["dsv4-ascend", "serve"] and "--bootstrap-port" in args
 
 
 def test_disruption_budgets(minimal: dict[str, Any]) -> None:

@@ -1,0 +1,15 @@
+"""What the reference records for tests, and its settings (not part of torch_npu's API)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+memory_total = 1 << 30  # bytes the reference device reports (torch.npu.mem_get_info)
+captures: list[Any] = []  # every NPUGraph captured in this process, in order
+
+
+def implicit_contexts() -> list[str]:
+    """Threads that ran device work before calling torch.npu.set_device (see _device._State)."""
+    from . import _device
+
+    return list(_device._state.implicit_contexts)
