@@ -4,7 +4,9 @@ Each step:
 1. Decodes first: every running request with one token pending gets it, in admission order. When
    the pools cannot take a decode, the most recently admitted running request is preempted by
    recompute (its pages freed, back to the front of the waiting queue; counted in
-   `num_preemptions`), until the decode fits or the request preempts itself.
+   `num_preemptions`), until the decode fits or the request preempts itself. A request whose row
+   is pinned (a PD transfer still reads its pages) is never the victim: freeing its pages would
+   hand them to another request under the transfer.
 2. Then prefill chunks under what is left of `max_num_batched_tokens`: unfinished chunked prefills
    first, then waiting requests in arrival order (admission needs a free request row, fewer than
    `max_num_seqs` running, and free full pages for the request's whole context). A chunk is at most
@@ -210,6 +212,12 @@ class Scheduler:
         free = self.allocator.num_free()
         return total if all(total[f] <= free[f] for f in FAMILIES) else None
 
+    def _victims(self, exclude: set[str]) -> list[Sequence]:
+        """Running requests that may be preempted, oldest first: not in `exclude`, not pinned."""
+        pinned = self.allocator.pinned
+        return [s for s in self.running if s.request_id not in exclude and not (s.req_idx is not None
+                and pinned(s.req_idx))]  # fmt: skip
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         if seq.req_idx is not None:
@@ -226,8 +234,12 @@ class Scheduler:
             if out is not None or not self.running:
                 return out
             # Running requests exist but none could take a step (pools full of partial prefills):
-            # recompute the newest so the older ones can progress.
-            victim = self.running[-1]
+            # recompute the newest so the older ones can progress; when every one is pinned, wait
+            # for a transfer to end instead (the engine steps again).
+            victims = self._victims(set())
+            if not victims:
+                return None
+            victim = victims[-1]
             self._preempt(victim)
             preempted.append(victim.request_id)
 
@@ -249,9 +261,10 @@ class Scheduler:
                     specs.append(self._spec(seq, seq.num_tokens))
                     budget -= 1
                     break
-                scheduled = {c.seq.request_id for c in chunks}
-                victims = [s for s in self.running if s.request_id not in scheduled and s is not seq]
+                victims = self._victims({c.seq.request_id for c in chunks} | {seq.request_id})
                 victim = victims[-1] if victims else seq
+                if victim is seq and seq.req_idx is not None and self.allocator.pinned(seq.req_idx):
+                    break  # nothing may be preempted for it: it waits a step
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is seq:

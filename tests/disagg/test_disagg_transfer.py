@@ -254,6 +254,42 @@ def test_a_write_whose_own_process_stalled_past_the_deadline_still_lands(monkeyp
     assert stalled and not engine.left  # it landed, and its batch ended
 
 
+def test_entries_running_at_the_deadline_stay_late_until_mooncake_ends_them(monkeypatch) -> None:
+    """The write raises at its deadline with the entries still running as the error's `late`: they
+    end when Mooncake reports them done or failed, or their timeout + margin after submission."""
+    import time
+
+    from dsv4_engine.disagg.mooncake import transfer_engine
+
+    engine = ScriptedEngine([1, None, None], polls=0)
+    with pytest.raises(TransferError, match=r"rc -2\).*\(2 still running at the deadline\)") as caught:
+        scripted(engine, timeout_s=0.05).write("peer:1", Entries([1] * 3, [2] * 3, [8] * 3))
+    late = caught.value.late
+    assert late is not None and len(late) == 2 and not late.ended()
+    engine.outcomes[1] = -1  # Mooncake reports one failed (its batch freed)...
+    assert not late.ended() and len(late) == 1
+    monkeypatch.setattr(transfer_engine, "LATE_MARGIN_SECONDS", 0.0)
+    late.pending[0].submitted = time.monotonic() - 1.0  # ...and the other past its timeout + margin
+    assert late.ended() and len(late) == 0
+    engine = ScriptedEngine([1], polls=0)  # nothing running at the deadline: no late entries
+    scripted(engine, timeout_s=0.05).write("peer:1", Entries.one(1, 2, 8))
+
+
+def test_a_held_entry_reaches_mooncake_only_when_released_and_then_lands_late() -> None:
+    """faults.Hold in the transport: the first entry is reported on the wire and not submitted until
+    the release; past the deadline it is late, and once released Mooncake gets it and it ends."""
+    from dsv4_engine.disagg.faults import Hold
+
+    engine, hold = ScriptedEngine([1, 1], polls=0), Hold()
+    with pytest.raises(TransferError, match=r"rc -2\)") as caught:
+        scripted(engine, timeout_s=0.05).write("peer:1", Entries([1] * 2, [2] * 2, [8] * 2), hold=hold)
+    assert hold.reached.is_set() and len(engine.in_flight) == 1  # only the second was submitted
+    late = caught.value.late
+    assert late is not None and not late.ended() and hold.submitted_at is None
+    hold.release.set()
+    assert late.ended() and hold.ended.is_set() and len(engine.in_flight) == 2
+
+
 # ---- hostnames, env, imports -------------------------------------------------------------------
 
 

@@ -18,19 +18,27 @@ from dsv4_engine.testing import random_ids
 
 HEARTBEAT = ("--disaggregation-heartbeat-interval", "1", "--disaggregation-heartbeat-failures", "2")
 PROMPT = {"model": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+SMALL = ("--num-pages", "10")  # full pages: a 1000-token prompt takes 8, a 300-token one 3
 
 
 @pytest.fixture(scope="module")
 def s(spawn: Any, pd: Any) -> dict[str, Any]:
+    """PF and PX write with Mooncake's shortest timeout (5 s, conftest); PS with 60 s, so a write
+    held open stays in flight. DF's heartbeat never runs in a test (600 s): only a claim can tell it
+    a prefill restarted. DX keeps pages a stalled prefill may still write for 35 s without word from
+    it (its MC_TRANSFER_TIMEOUT + 5 s). DS keeps room for 8 more tokens per decoding request."""
     servers = {
         "PF": spawn("PF", "--disaggregation-mode", "prefill"),
-        "DF": spawn("DF", "--disaggregation-mode", "decode"),
+        "DF": spawn("DF", "--disaggregation-mode", "decode", "--disaggregation-heartbeat-interval", "600"),
         "PX": spawn("PX", "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-timeout", "3"),
-        "DX": spawn("DX", "--disaggregation-mode", "decode", *HEARTBEAT),
-        "DS": spawn("DS", "--disaggregation-mode", "decode", "--num-pages", "10", "--max-waiting", "1"),
+        "PS": spawn("PS", "--disaggregation-mode", "prefill", *SMALL, "--chunked-prefill-size", "128",
+                    env={"MC_TRANSFER_TIMEOUT": "60"}),
+        "DX": spawn("DX", "--disaggregation-mode", "decode", *HEARTBEAT, env={"MC_TRANSFER_TIMEOUT": "30"}),
+        "DS": spawn("DS", "--disaggregation-mode", "decode", *SMALL, "--max-waiting", "1", *HEARTBEAT,
+                    env={"DSV4_PD_RESERVED_DECODE_TOKENS": "8"}),
         "DM": spawn("DM", "--disaggregation-mode", "decode", "--page-size", "256"),
         "DW": spawn("DW", "--disaggregation-mode", "decode", "--disaggregation-waiting-timeout", "2"),
-    }
+    }  # fmt: skip
     pd.wait_healthy(*servers.values())
     servers["initial"] = {name: srv.free_pages() for name, srv in servers.items()}
     return servers
@@ -130,9 +138,10 @@ def test_full_decode_queues_to_its_bound_then_503(s: dict[str, Any], pd: Any, po
 
 
 def test_a_preempted_pd_request_is_recomputed_not_lost(s: dict[str, Any], pd: Any, pool: Any) -> None:
-    # Two 630-token prompts take all 10 of DS's full pages (5 each); held until both are resident,
-    # their first decode steps past position 640 need an 11th page, so one is preempted and must be
-    # recomputed on the decode server from its prompt and outputs.
+    # Two 630-token prompts take all 10 of DS's full pages (5 each, which also hold their next 8
+    # tokens: DS's headroom); held until both are resident, their first decode steps past position
+    # 640 need an 11th page, so one is preempted and must be recomputed on the decode server from
+    # its prompt and outputs.
     P, D = s["PF"], s["DS"]
     asks = [{**PROMPT, "prompt": random_ids(630, seed=20 + i), "max_tokens": 24} for i in range(2)]
     want = [pd.send_pair(P, s["DF"], pd.pd_body(P, a))[1].json()["choices"][0]["text"] for a in asks]
@@ -165,6 +174,16 @@ def test_a_transfer_past_the_waiting_timeout_fails_and_the_pair_stays_paired(
     pd.settle(P, D, initial=s["initial"])
     # An abort is not a death: the prefill still takes rooms from DW's session.
     assert D.get("/debug/pd")["decode_id"] not in P.get("/debug/pd")["dead_sessions"]
+
+
+def _resident(P: Any, D: Any, pd: Any, pool: Any, b: dict[str, Any]) -> Any:
+    """Send a pair with D's engine paused: it is admitted (running, holding its pages) and decodes
+    nothing until D resumes. Returns the pair's future."""
+    D.pause()
+    running = D.engine()["num_running"]
+    future = pool.submit(pd.send_pair, P, D, b)
+    pd.wait_until(lambda: D.engine()["num_running"] == running + 1, 120, "the request to be admitted")
+    return future
 
 
 def _held_open(P: Any, D: Any, pd: Any, pool: Any, b: dict[str, Any]) -> tuple[Any, Any]:
@@ -215,16 +234,20 @@ def test_sigstopped_prefill_writes_late_into_quarantined_pages_only(
         assert r.status_code == 502 and error(r)["code"] == "pd_prefill_dead", r.text
         assert depth(D, "quarantine") == 1
         assert depth(D, "staging") == 1  # the span it offered is held too
-        live = pd.send_pair(s["PF"], D, pd.pd_body(s["PF"], ask))[1]
-        assert live.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
+        # A request decoding on D while the late write lands: its pages' bytes must not change.
+        live = _resident(s["PF"], D, pd, pool, pd.pd_body(s["PF"], ask))
+        before = D.get("/debug/pd/live")
+        P.signal(signal.SIGCONT)
+        P.resume()
+        room = str(b["bootstrap_room"])
+        pd.wait_until(lambda: room in P.get("/debug/pd")["checksums"], 120, "the late write to land")
+        assert D.get("/debug/pd/live") == before and len(before) == 1
     finally:
         P.signal(signal.SIGCONT)
         P.resume()
-    room = str(b["bootstrap_room"])
-    pd.wait_until(lambda: room in P.get("/debug/pd")["checksums"], 120, "the late write to land")
+        D.resume()
     assert fp.result(timeout=60).status_code == 200  # the stalled prefill finished its part
-    live = pd.send_pair(s["PF"], D, pd.pd_body(s["PF"], ask))[1]
-    assert live.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
+    assert live.result(timeout=120)[1].json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
     P.post("/debug/pd/deaf", params={"on": False}).raise_for_status()
     for prefill in (P, s["PF"]):
         prefill.post("/debug/pd/staging", params={"mode": "auto"}).raise_for_status()
@@ -235,6 +258,8 @@ def test_killed_prefill_fails_the_request_and_a_restart_pairs_again(
     s: dict[str, Any], pd: Any, pool: Any
 ) -> None:
     P, D = s["PX"], s["DX"]
+    p, d = pd.send_pair(P, s["DF"], body(P, pd))  # DF pairs with this PX process...
+    assert p.status_code == d.status_code == 200, (p.text, d.text)
     fp, fd = _held_open(P, D, pd, pool, body(P, pd))
     P.kill()
     r = fd.result(timeout=120)
@@ -246,7 +271,11 @@ def test_killed_prefill_fails_the_request_and_a_restart_pairs_again(
     pd.wait_healthy(P)
     p, d = pd.send_pair(P, D, body(P, pd))
     assert p.status_code == d.status_code == 200
-    pd.settle(P, D, initial=s["initial"])
+    # ...and, its heartbeat not due for 600 s, learns of the restart from the new process's claim
+    # answer (an unknown session): it registers again and the request goes through.
+    p, d = pd.send_pair(P, s["DF"], body(P, pd))
+    assert p.status_code == d.status_code == 200, (p.text, d.text)
+    pd.settle(P, D, s["DF"], initial=s["initial"])
 
 
 def test_vanished_decode_frees_the_prefill_and_a_restart_pairs_again(
@@ -274,6 +303,180 @@ def test_vanished_decode_frees_the_prefill_and_a_restart_pairs_again(
     pd.settle(P, D, initial=s["initial"])
 
 
+def _hold(P: Any, room: int, action: str = "hold") -> None:
+    P.post(f"/debug/pd/{action}", params={"room": room}).raise_for_status()
+
+
+def test_an_entry_abandoned_at_the_deadline_lands_only_in_quarantined_pages(
+    s: dict[str, Any], pd: Any, pool: Any
+) -> None:
+    """SGLang PR#27372 from the sending side. PF's first write of a room keeps one entry from
+    Mooncake (a stalled peer) past its 5 s deadline: the room fails, but that entry may still land.
+    Until it has, PF keeps the request's pages and DF the destination pages; a request decoding on
+    DF meanwhile (it takes the lowest free pages: these, had they been freed) keeps its bytes when
+    the entry finally lands."""
+    P, D = s["PF"], s["DF"]
+    ask = {**PROMPT, "prompt": random_ids(300, seed=31)}
+    reference = pd.send_pair(P, D, pd.pd_body(P, ask))[1].json()["choices"][0]["text"]
+    b = body(P, pd, 300)
+    room = b["bootstrap_room"]
+    _hold(P, room)
+    try:
+        fp, fd = pool.submit(post, P, b), pool.submit(post, D, b)
+        r = fd.result(timeout=120)
+        assert r.status_code == 502 and error(r)["code"] == "pd_transfer_failed", r.text
+        assert "still running at the deadline" in error(r)["message"]
+        assert fp.result(timeout=60).status_code == 502
+        assert P.get("/debug/pd")["late"] == 1 and P.engine()["num_held"] == 1  # its pages are kept
+        assert depth(D, "quarantine") == 1  # and so are the decode's
+        live = _resident(P, D, pd, pool, pd.pd_body(P, ask))
+        before = D.get("/debug/pd/live")
+        _hold(P, room, "release")
+        pd.wait_until(lambda: P.get("/debug/pd")["holds"][str(room)]["ended"], 60, "the late entry to land")
+        assert D.get("/debug/pd/live") == before and len(before) == 1
+    finally:
+        _hold(P, room, "release")
+        D.resume()
+    p, d = live.result(timeout=120)
+    assert p.status_code == 200 and d.json()["choices"][0]["text"] == reference
+    pd.settle(P, D, initial=s["initial"])  # the late entry ended: both sides give their pages back
+
+
+def test_a_request_under_a_write_is_not_preempted_into_reused_pages(
+    s: dict[str, Any], pd: Any, pool: Any
+) -> None:
+    """PS has 10 full pages and prefills in chunks of 128: two 1000-token prompts admitted together
+    fill them at their 5th chunk, and one must be preempted for the other to go on. The newer one's
+    first write is held in flight (its peer stalls): its row is pinned, so the older one is the one
+    preempted, and every byte each write carries is what its pages held when it was queued (the
+    prefill digests them then). Preempting the newer one would hand its page to the older one's
+    6th chunk under the held write."""
+    P, D = s["PS"], s["DF"]
+    asks = [body(P, pd, n) for n in (1000, 1001)]
+    before = P.engine()["num_preemptions"]
+    P.pause()
+    try:
+        futures = []
+        for i, b in enumerate(asks):
+            futures.append(pool.submit(pd.send_pair, P, D, b))
+            pd.wait_until(
+                lambda i=i: P.engine()["num_waiting"] == i + 1, 60, "the prompt to reach the engine"
+            )
+        _hold(P, asks[1]["bootstrap_room"])
+    finally:
+        P.resume()
+    try:
+        pd.wait_until(lambda: P.engine()["num_preemptions"] > before and P.engine()["num_held"] >= 1, 120,
+                      "one request preempted and the other's prefill done")  # fmt: skip
+    finally:
+        _hold(P, asks[1]["bootstrap_room"], "release")
+    for future in futures:
+        p, d = future.result(timeout=300)
+        assert p.status_code == d.status_code == 200, (p.text, d.text)
+    for b in asks:
+        room = str(b["bootstrap_room"])
+        assert P.get("/debug/pd")["checksums"][room] == D.get("/debug/pd")["checksums"][room]
+    pd.settle(P, D, initial=s["initial"])
+
+
+def test_a_transfer_that_skipped_its_pages_fails_on_the_poison(s: dict[str, Any], pd: Any) -> None:
+    """DF fills reserved pages with NaN (test hooks); PF writes only the aux slot of this room. The
+    request fails naming the pages no write reached, and DF never decodes a token of it."""
+    P, D = s["PF"], s["DF"]
+    b = body(P, pd, 300)
+    _hold(P, b["bootstrap_room"], "skip")
+    forwarded = D.engine()["forwarded_tokens_total"]
+    p, d = pd.send_pair(P, D, b)
+    assert d.status_code == 502 and error(d)["code"] == "pd_payload_mismatch", d.text
+    assert "NaN poison" in error(d)["message"] and "SWA" in error(d)["message"]
+    assert p.status_code == 200  # the prefill's part (its writes) ended
+    assert D.engine()["forwarded_tokens_total"] == forwarded
+    pd.settle(P, D, initial=s["initial"])
+
+
+def test_a_prompt_that_differs_between_the_legs_fails_naming_it(
+    s: dict[str, Any], pd: Any, pool: Any
+) -> None:
+    """The room's prompt digests differ (a router bug, or a client reusing a room): both legs answer
+    400 naming the prompt, and both servers count the failure."""
+    P, D = s["PF"], s["DF"]
+    b = body(P, pd, 40)
+    other = {**b, "prompt": random_ids(40, seed=41)}
+    failures = [_failures(x, "prompt_mismatch") for x in (P, D)]
+    fp, fd = pool.submit(post, P, b), pool.submit(post, D, other)
+    for r in (fp.result(timeout=120), fd.result(timeout=120)):
+        assert r.status_code == 400, r.text
+        assert (error(r)["param"], error(r)["code"]) == ("prompt", "pd_prompt_mismatch"), r.text
+        assert "prompt" in error(r)["message"]
+    assert [_failures(x, "prompt_mismatch") for x in (P, D)] == [f + 1 for f in failures]
+    pd.settle(P, D, initial=s["initial"])
+
+
+def _failures(server: Any, reason: str) -> float:
+    line = f'dsv4_pd_failures_total{{reason="{reason}"}} '
+    text = httpx.get(f"{server.base}/metrics", timeout=10).text
+    return sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
+
+
+def test_queued_at_the_decode_past_the_prefills_bootstrap_timeout_still_succeeds(
+    s: dict[str, Any], pd: Any, pool: Any
+) -> None:
+    """The deadlines start at the decode's admission, not at arrival. PX gives up on a room 3 s after
+    the last claim; DS (full) queues this request, renewing its claim every heartbeat (1 s), for
+    longer than that: an unclaimed room opened on PX after it queued times out first. DS's own
+    waiting timeout starts only when it reserves the pages."""
+    P, D = s["PX"], s["DS"]
+    filler = pd.pd_body(s["PF"], {**PROMPT, "prompt": random_ids(1000, seed=50), "max_tokens": 16})
+    try:
+        ff = _resident(s["PF"], D, pd, pool, filler)  # 8 of DS's 10 pages, until D resumes
+        b = body(P, pd, 300)  # 3 pages
+        fb = pool.submit(pd.send_pair, P, D, b)
+        pd.wait_until(lambda: fb.done() or depth(D, "prealloc") == 1, 60, "the request to queue for pages")
+        assert not fb.done(), [r.text for r in fb.result()]
+        r = post(P, body(P, pd, 20))
+        assert r.status_code == 504 and error(r)["code"] == "pd_bootstrap_timeout", r.text
+        assert depth(D, "prealloc") == 1  # still queued, its room still open on PX
+    finally:
+        D.resume()
+    for future in (ff, fb):
+        p, d = future.result(timeout=300)
+        assert p.status_code == d.status_code == 200, (p.text, d.text)
+    pd.settle(P, D, s["PF"], initial=s["initial"])
+
+
+def test_a_burst_of_four_times_the_decode_capacity_holds_the_queue_bound(s: dict[str, Any], pd: Any) -> None:
+    """DS keeps room for each decoding request's next 8 tokens: a 250-token prompt with max_tokens 8
+    grows to 3 full pages, so 3 of them fit its 10 at once. Twelve at once, the prefill held:
+    3 reserve their pages, exactly --max-waiting (1) queues, 8 get 503 with Retry-After (their
+    prefill legs end too), and the 4 admitted finish with nothing preempted."""
+    P, D = s["PF"], s["DS"]
+    asks = [
+        pd.pd_body(P, {**PROMPT, "prompt": random_ids(250, seed=60 + i), "max_tokens": 8}) for i in range(12)
+    ]
+    preemptions = D.engine()["num_preemptions"]
+    P.pause()
+    with cf.ThreadPoolExecutor(12) as burst:
+        try:
+            futures = [burst.submit(pd.send_pair, P, D, b) for b in asks]
+            refused = lambda: sum(f.done() for f in futures)  # noqa: E731
+            pd.wait_until(lambda: refused() >= 8, 120, "8 of the burst to be refused")
+            assert (depth(D, "transfer"), depth(D, "prealloc")) == (3, 1)
+        finally:
+            P.resume()
+        answers = [f.result(timeout=300) for f in futures]
+    decoded = [d for _, d in answers if d.status_code == 200]
+    rejected = [(p, d) for p, d in answers if d.status_code != 200]
+    assert len(decoded) == 4 and all(d.json()["usage"]["completion_tokens"] == 8 for d in decoded)
+    assert len(rejected) == 8
+    for p, d in rejected:
+        assert d.status_code == 503 and d.headers["Retry-After"] and error(d)["code"] in (
+            "queue_full", "pd_queue_full"), d.text  # fmt: skip
+        assert p.status_code >= 400, p.text
+    assert D.engine()["num_preemptions"] == preemptions
+    pd.settle(P, D, initial=s["initial"])
+
+
+# Last: PX does not come back.
 def test_sigterm_prefill_finishes_the_transfers_it_started(s: dict[str, Any], pd: Any, pool: Any) -> None:
     P, D = s["PX"], s["DF"]
     fp, fd = _held_open(P, D, pd, pool, body(P, pd))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import random
+import statistics
+import time
 from typing import Any
 
 import httpx
@@ -26,7 +28,9 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def cluster(spawn: Any, pd: Any) -> dict[str, Any]:
-    servers = {f"P{c}": spawn(f"P{c}", "--disaggregation-mode", "prefill", "--chunked-prefill-size", str(c))
+    # P2048's writes wait 30 s (the others' 5 s, conftest): the stalled-peer test holds one open.
+    servers = {f"P{c}": spawn(f"P{c}", "--disaggregation-mode", "prefill", "--chunked-prefill-size", str(c),
+                              env={"MC_TRANSFER_TIMEOUT": "30"} if c == 2048 else None)
                for c in CHUNKS}  # fmt: skip
     servers["D1"] = spawn("D1", "--disaggregation-mode", "decode")
     servers["D2"] = spawn("D2", "--disaggregation-mode", "decode")
@@ -88,14 +92,20 @@ def test_greedy_pd_equals_colocated(
     pd.settle(prefill, decode, initial=cluster["initial"])
 
 
+# Across the ratio-4 (3-5), window (16-17 on the tiny preset) and ratio-128 / page (127-129)
+# boundaries, to the longest prompt; each prefill chunking in turn.
+HF_LENGTHS = [1, 3, 4, 5, 16, 17, 127, 128, 129, 515, 1499]
+
+
 def test_pd_matches_hf(cluster: dict[str, Any], pd: Any, tiny_model: Any) -> None:
     from dsv4_engine.testing import greedy_divergences, load_hf
 
     hf = load_hf(tiny_model)
-    for n in (17, 383, 1030):
+    for i, n in enumerate(HF_LENGTHS):
         prompt = random_ids(n, seed=n)
-        out = pd_generate(cluster["P128"], cluster["D1"], prompt, pd, temperature=0, ignore_eos=True)
-        assert len(greedy_divergences(hf, prompt, out)) <= 1  # the parity rule: only excused ones
+        prefill = cluster[f"P{CHUNKS[i % len(CHUNKS)]}"]
+        out = pd_generate(prefill, cluster["D1"], prompt, pd, temperature=0, ignore_eos=True)
+        assert len(greedy_divergences(hf, prompt, out)) <= 1, n  # the parity rule: only excused ones
 
 
 def test_openai_client_streaming_and_not(
@@ -270,22 +280,134 @@ def test_a_corrupted_source_page_changes_the_first_decode_step(cluster: dict[str
     assert corrupted != clean  # ...and it moves with the transferred bytes: decode read them
 
 
-def test_metrics_and_request_ids_on_both_servers(cluster: dict[str, Any], pd: Any) -> None:
-    body = pd.pd_body(cluster["P128"], {"prompt": "metrics please", "max_tokens": 3, "temperature": 0})
-    p, d = pd.send_pair(cluster["P128"], cluster["D2"], body, headers={"x-request-id": "pd-trace-42"})
-    assert p.status_code == d.status_code == 200
-    pm = httpx.get(f"{cluster['P128'].base}/metrics").text
-    dm = httpx.get(f"{cluster['D2'].base}/metrics").text
-    for t in ("SWA", "C4", "C128", "INDEXER", "C4_STATE", "C128_STATE"):
-        assert f'dsv4_pd_transfer_bytes_total{{state_type="{t}"}}' in pm
-    for text in (pm, dm):
-        assert "dsv4_pd_transfer_seconds_count" in text and "dsv4_pd_queue_depth" in text
-        assert "# TYPE dsv4_pd_failures_total counter" in text
-    count = [line for line in dm.splitlines() if line.startswith("dsv4_pd_handshake_seconds_count")]
-    assert float(count[0].split()[-1]) >= 1
-    for server in (cluster["P128"], cluster["D2"]):
+# Pages of each state type a 300-token prompt has on the tiny preset (window 16, pages of 128), as
+# tests/memory/test_mem_pd.py::test_payloads_hand_checked works them out: the SWA window's page,
+# compressed rows [0, 75) and [0, 2), and one page of each state tail.
+PAGES_300 = {"SWA": 1, "C4": 3, "INDEXER": 3, "C128": 2, "C4_STATE": 1, "C128_STATE": 1}
+
+
+def _series(server: Any) -> dict[str, float]:
+    """Every dsv4_pd_* sample of the server's /metrics, by its name and labels."""
+    text = httpx.get(f"{server.base}/metrics", timeout=10).text
+    return {
+        k: float(v) for k, _, v in (x.rpartition(" ") for x in text.splitlines() if x.startswith("dsv4_pd_"))
+    }
+
+
+def test_every_pd_series_moves_by_what_one_request_moved(cluster: dict[str, Any], pd: Any) -> None:
+    """One 300-token request through P2048 (one chunk: one write) and D2: the bytes per state type
+    each side counts are its pages times their size (the layout fingerprint's item lengths), the
+    transfer histogram counts one on each side, the decode's queue gauge shows it while it waits,
+    the handshake counts a first pairing only, the writes counter one write; and both servers log
+    the router's request id."""
+    P, D = cluster["P2048"], cluster["D2"]
+    items = httpx.get(f"{P.base}/server_info", timeout=10).json()["layout_fingerprint"]["item_lens"]
+    paired = f"127.0.0.1:{P.bootstrap_port}" in D.get("/debug/pd")["paired"]
+    before = {x.name: _series(x) for x in (P, D)}
+    body = pd.pd_body(P, {"input_ids": random_ids(300, seed=77), "sampling_params": {"max_new_tokens": 3}})
+    P.pause()
+    with cf.ThreadPoolExecutor(1) as ex:
+        try:
+            future = ex.submit(pd.send_pair, P, D, body, "/generate", headers={"x-request-id": "pd-trace-42"})
+            pd.wait_until(lambda: D.get("/debug/pd")["depths"]["transfer"] == 1, 60, "the decode to wait")
+            assert _series(D)['dsv4_pd_queue_depth{queue="transfer"}'] == 1
+        finally:
+            P.resume()
+        p, d = future.result(timeout=300)
+    assert p.status_code == d.status_code == 200, (p.text, d.text)
+    after = {x.name: _series(x) for x in (P, D)}
+
+    def delta(server: Any, key: str) -> float:
+        return after[server.name].get(key, 0.0) - before[server.name].get(key, 0.0)
+
+    for t, pages in PAGES_300.items():
+        for server in (P, D):
+            assert delta(server, f'dsv4_pd_transfer_bytes_total{{state_type="{t}"}}') == pages * sum(
+                items[t]
+            ), t
+    for server in (P, D):
+        assert delta(server, "dsv4_pd_transfer_seconds_count") == 1
+        assert after[server.name]['dsv4_pd_queue_depth{queue="transfer"}'] == 0
+    assert delta(D, "dsv4_pd_handshake_seconds_count") == (0 if paired else 1)
+    writes = [k for k in after[P.name] if k.startswith("dsv4_pd_transfer_writes_total{")]
+    assert sum(delta(P, k) for k in writes) == 1
+    for server in (P, D):
         assert "x-request-id=pd-trace-42" in server.log()
-    assert '"layout_fingerprint_id"' in httpx.get(f"{cluster['D2'].base}/server_info").text
+    assert '"layout_fingerprint_id"' in httpx.get(f"{D.base}/server_info").text
+
+
+def test_max_tokens_one_and_a_first_token_that_is_eos_end_at_the_prefills_token(
+    cluster: dict[str, Any], pd: Any, tiny_model: Any
+) -> None:
+    """The decode admits the request with the prefill's token and runs no step for it: max_tokens 1
+    ends there ("length"), and so does a first token that is EOS ("stop", here made so by a
+    logit_bias both legs apply); each as a colocated server answers."""
+    import json
+
+    config = json.loads((tiny_model / "config.json").read_text())
+    eos = config["eos_token_id"] if isinstance(config["eos_token_id"], int) else config["eos_token_id"][0]
+    prompt = random_ids(200, seed=88)
+    D = cluster["D2"]
+    for params in (
+        {"max_new_tokens": 1, "temperature": 0},
+        {"max_new_tokens": 8, "logit_bias": {str(eos): 100.0}},
+    ):
+        body = {"input_ids": prompt, "sampling_params": params}
+        want = cluster["C"].post("/generate", json=body).json()
+        forwarded = D.engine()["forwarded_tokens_total"]
+        p, d = pd.send_pair(cluster["P256"], D, pd.pd_body(cluster["P256"], body), "/generate")
+        assert p.status_code == d.status_code == 200, (p.text, d.text)
+        got = d.json()
+        assert got["output_ids"] == want["output_ids"] and len(got["output_ids"]) <= 1, params
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"], params
+        assert D.engine()["forwarded_tokens_total"] == forwarded  # the decode ran nothing for it
+    assert want["meta_info"]["finish_reason"]["type"] == "stop"
+    pd.settle(cluster["P256"], D, initial=cluster["initial"])
+
+
+def _ttft(prefill: Any, decode: Any, pd: Any, seed: int) -> float:
+    """Seconds until a one-token request through the pair has answered on both legs: its TTFT."""
+    body = pd.pd_body(prefill, {"model": "tiny", "prompt": random_ids(64, seed=seed), "max_tokens": 1})
+    start = time.perf_counter()
+    p, d = pd.send_pair(prefill, decode, body)
+    assert p.status_code == d.status_code == 200, (p.text, d.text)
+    return time.perf_counter() - start
+
+
+def test_a_stalled_decode_server_leaves_another_decodes_ttft_alone(cluster: dict[str, Any], pd: Any) -> None:
+    """SGLang #5450: one transfer thread per prefill made every room wait behind a stalled peer.
+    P2048 writes to D1 with one entry held in flight (the hook of a stalled peer, held until released)
+    while a request to D2 is timed; interleaved with the same request timed without the stall. The
+    median TTFT with the stall is at most 1.5x the median without (the tolerance covers two shared
+    cores; a serialised writer waits the held entry's 30 s deadline instead)."""
+    P, stalled, healthy = cluster["P2048"], cluster["D1"], cluster["D2"]
+    _ttft(P, healthy, pd, 500)  # paired and warm before timing
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with cf.ThreadPoolExecutor(1) as ex:
+        for i in range(6):
+            for stall in (i % 2 == 0, i % 2 == 1):
+                if not stall:
+                    times[False].append(_ttft(P, healthy, pd, 510 + i))
+                    continue
+                body = pd.pd_body(
+                    P, {"model": "tiny", "prompt": random_ids(64, seed=520 + i), "max_tokens": 1}
+                )
+                room = body["bootstrap_room"]
+                P.post("/debug/pd/hold", params={"room": room}).raise_for_status()
+                held = ex.submit(pd.send_pair, P, stalled, body)
+                try:
+                    pd.wait_until(
+                        lambda r=str(room): P.get("/debug/pd")["holds"][r]["reached"], 60, "the stall"
+                    )
+                    times[True].append(_ttft(P, healthy, pd, 530 + i))
+                finally:
+                    P.post("/debug/pd/release", params={"room": room}).raise_for_status()
+                p, d = held.result(timeout=120)
+                assert p.status_code == d.status_code == 200, (p.text, d.text)
+    ratio = statistics.median(times[True]) / statistics.median(times[False])
+    print(f"TTFT with a stalled peer / without: {ratio:.2f} (medians of {times})")  # -s shows it
+    assert ratio <= 1.5, (ratio, times)
+    pd.settle(P, stalled, healthy, initial=cluster["initial"])
 
 
 # ---- logprobs and n through PD -------------------------------------------------------------------

@@ -21,12 +21,14 @@ if TYPE_CHECKING:  # annotations only: importing the contracts pulls in neither 
     import torch
     from prometheus_client import Counter, Histogram
 
+    from dsv4_engine.disagg.faults import Hold
     from dsv4_engine.disagg.protocol import PdTarget
     from dsv4_engine.disagg.transfer import Entries
     from dsv4_engine.memory import Dsv4MemoryLayout, Dsv4ReqToTokenPool, Dsv4TokenToKVPool, StateType
+    from dsv4_engine.memory.allocator import Dsv4Allocator
     from dsv4_engine.sampler import TokenLogprobs
     from dsv4_engine.sampling_params import SamplingParams
-    from dsv4_engine.scheduler import SchedulerOutput
+    from dsv4_engine.scheduler import Scheduler, SchedulerOutput
 
 T = TypeVar("T")
 
@@ -35,8 +37,23 @@ T = TypeVar("T")
 StepObserver = Callable[["SchedulerOutput", dict[str, int]], None]
 
 
+class LateWrites(Protocol):
+    """Entries a failed write abandoned at its deadline that the transport may still be moving: their
+    sources must stay allocated, and their destinations may still change, until `ended()`."""
+
+    def ended(self) -> bool:
+        """True once every entry was reported done or failed, or its own transfer timeout plus a
+        margin passed since it was submitted. Never blocks."""
+        ...
+
+
 class TransferError(RuntimeError):
-    """A transport call failed (initialize, register or a write)."""
+    """A transport call failed (initialize, register or a write). `late` is set when some of the
+    write's entries were abandoned still running (base.LateWrites)."""
+
+    def __init__(self, message: str, late: LateWrites | None = None) -> None:
+        super().__init__(message)
+        self.late = late
 
 
 class Transport(Protocol):
@@ -53,17 +70,22 @@ class Transport(Protocol):
         region twice is a no-op. Raises TransferError."""
         ...
 
-    def write(self, peer_session: str, entries: Entries) -> None:
+    def write(self, peer_session: str, entries: Entries, *, hold: Hold | None = None) -> None:
         """Copy every entry into the peer's registered memory; returns once all have landed. On a
-        failure it raises TransferError, and only once no entry can still read its source."""
+        failure it raises TransferError once every submitted entry has ended, except those still
+        running at the deadline: those are the error's `late`, and their sources stay the caller's
+        to keep until `late.ended()`. `hold` is a test hook (faults.Hold)."""
         ...
 
     def write_pipelined(
-        self, peer_session: str, pieces: Iterable[tuple[Callable[[], object], Entries]]
+        self,
+        peer_session: str,
+        pieces: Iterable[tuple[Callable[[], object], Entries]],
+        *,
+        hold: Hold | None = None,
     ) -> None:
         """Each piece's prepare() (its pack) runs while the earlier pieces are on the wire, then its
-        entries go. Returns, or raises TransferError, only once every submitted entry has ended:
-        the caller may free every source as soon as this returns."""
+        entries go. Returns, or raises TransferError, as write() does."""
         ...
 
     def close(self) -> None:
@@ -79,6 +101,8 @@ class PdEngine(Protocol):
     kv_pool: Dsv4TokenToKVPool  # pd_state_components(), buffers_by_type(), device
     req_pool: Dsv4ReqToTokenPool  # one aux slot per request row
     layout: Dsv4MemoryLayout
+    allocator: Dsv4Allocator  # rows pinned under a write (prefill), pages free and growth (decode)
+    scheduler: Scheduler  # the running requests (decode admission's headroom)
     step_observers: list[StepObserver]
 
     def payloads(
@@ -133,7 +157,7 @@ class PdMetrics(Protocol):
     """The PD series of server/metrics.ServerMetrics a side updates."""
 
     pd_failures: Counter  # {reason}
-    pd_bytes: Counter  # {state_type}, prefill
+    pd_bytes: Counter  # {state_type}: sent (prefill) or received (decode)
     pd_writes: Counter  # {path}, prefill
     pd_transfer_seconds: Histogram
     pd_handshake_seconds: Histogram  # decode
@@ -183,6 +207,10 @@ class PrefillSide(PdSide, Protocol):
         """Decode servers a write to failed: their rooms fail fast until they register again."""
         ...
 
+    def late_writes(self) -> int:
+        """Writes abandoned at their deadline whose entries Mooncake may still be moving."""
+        ...
+
 
 class DecodeSide(PdSide, Protocol):
     """The decode server's half: each PD sequence paired, received and admitted as running."""
@@ -204,4 +232,8 @@ class DecodeSide(PdSide, Protocol):
 
     def pages_may_be_free(self) -> None:
         """On the loop after every engine step: sequences queued for pages may try again."""
+        ...
+
+    def paired(self) -> list[str]:
+        """Addresses of the prefill bootstrap endpoints this server is paired with now."""
         ...

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,16 +71,20 @@ def _error(err: PdError) -> JSONResponse:
 def create_bootstrap_app(rooms: PrefillRooms, *, rank: int = 0) -> FastAPI:
     app = FastAPI(title="dsv4-bootstrap", docs_url=None, redoc_url=None)
     ranks = {rank: {"rank": rank, "mooncake_session": rooms.transport.session_id}}
+    # This process: a prefill restarted on the same address answers with another, so a decode server
+    # tells it from the one it registered with (decode_peers.py).
+    instance = uuid.uuid4().hex
 
     @app.get("/health")
     async def health() -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "ok", "instance": instance}
 
     @app.get("/route")
     async def route() -> dict[str, Any]:
         return {
             "fingerprint": rooms.fingerprint,
             "fingerprint_id": fingerprint_id(rooms.fingerprint),
+            "instance": instance,
             "ranks": list(ranks.values()),
         }
 
@@ -136,6 +141,11 @@ def create_bootstrap_app(rooms: PrefillRooms, *, rank: int = 0) -> FastAPI:
         return JSONResponse(
             {"status": "success", "bytes": r.bytes_by_type, "staged": r.staged, "logprobs": r.logprobs}
         )
+
+    @app.get("/rooms/{room}")
+    async def room_state(room: int, decode_id: str) -> dict[str, Any]:
+        """Whether a write of the room may still land in `decode_id`'s pages (its quarantine)."""
+        return {"may_land": rooms.may_land(room, decode_id)}
 
     @app.delete("/rooms/{room}")
     async def abort(room: int, body: AbortBody) -> dict[str, Any]:

@@ -4,23 +4,28 @@ One task per PD sequence (`receive`), in order:
 1. the prefill peer (decode_peers.py): `/route` once (layout fingerprint compared: a mismatch fails
    the request naming the field), the session registered once (destination pointers), a heartbeat;
 2. claim the room (prompt digest, checked on both sides);
-3. reserve the request's pages and tables (the decode request pool), queueing while pages are short
-   (server/state.py bounds those with the engine's queue by --max-waiting: beyond, 503 with
-   Retry-After); and a span of the staging arena that holds all of them packed, when one is free
-   (else the prefill writes every page directly);
+3. reserve the request's pages and tables (the decode request pool) where the running requests keep
+   room to grow (decode_reserve.py), else queue while pages are short: the queue and the engine's
+   waiting requests together are bounded by --max-waiting (beyond, 503 with Retry-After); and a
+   span of the staging arena that holds all of them packed, when one is free (else the prefill
+   writes every page directly);
 4. send the destination pages (and the span) and wait for the transfer, bounded from admission by
    the waiting timeout, and ended sooner by the heartbeat declaring the peer dead or by a
    connection error;
 5. unpack the segments the prefill sent staged into the reserved pages, and admit the request as
    running from its transferred first token.
 Every failure after 3 gives the pages and the span back; when a write from the prefill may still
-land in them (peer dead or stalled, abort unacknowledged) they stay quarantined for Mooncake's
-transfer timeout plus a margin first. The room is aborted at the prefill so its response ends too.
+land in them (peer dead or stalled, abort unacknowledged, entries its transport abandoned still
+moving) they stay quarantined first: until the prefill says no write of the room can land any more,
+or, while it does not answer, for Mooncake's transfer timeout plus a margin. The room is aborted at
+the prefill so its response ends too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import time
 import uuid
@@ -31,12 +36,12 @@ import httpx
 
 from dsv4_engine.disagg.base import EngineCalls, PdEngine, PdMetrics, Transport
 from dsv4_engine.disagg.decode_peers import PrefillPeer, PrefillPeers
-from dsv4_engine.disagg.faults import FaultHooks
+from dsv4_engine.disagg.decode_reserve import Reservation, horizon, reserve
+from dsv4_engine.disagg.faults import FaultHooks, page_digests, poisoned
 from dsv4_engine.disagg.fingerprint import prompt_digest
 from dsv4_engine.disagg.protocol import (
     PdError,
     PdTarget,
-    page_digests,
     read_logprobs,
     register_state,
     stage_segments,
@@ -48,6 +53,8 @@ from dsv4_engine.memory.staging import StagingArena, scatter_pages
 from dsv4_engine.sampling_params import SamplingParams
 
 log = logging.getLogger("dsv4.pd.decode")
+
+QUARANTINE_POLL_SECONDS = 0.5  # how often a quarantine asks the prefill whether a write may still land
 
 
 class DecodeReceiver:
@@ -65,6 +72,8 @@ class DecodeReceiver:
         heartbeat_failures: int,
         quarantine: float,
         metrics: PdMetrics,
+        may_queue: Callable[[], bool] = lambda: True,
+        reserve_tokens: int = 512,
         staging: StagingArena | None = None,
         faults: FaultHooks | None = None,
     ) -> None:
@@ -72,8 +81,12 @@ class DecodeReceiver:
         self.bridge = bridge
         self.waiting_timeout = waiting_timeout
         self.heartbeat_interval = heartbeat_interval  # also how often a queued sequence renews its claim
-        self.quarantine = quarantine
+        self.quarantine = quarantine  # seconds, while the prefill cannot say whether a write may land
         self.metrics = metrics
+        self.may_queue = may_queue  # whether one more sequence may wait for pages (--max-waiting)
+        self.reserve_tokens = reserve_tokens  # growth each decoding request keeps room for
+        # Rows reserved whose state has not been admitted yet; decode_reserve adds them (engine thread).
+        self.reserved: dict[int, Reservation] = {}
         self.faults = faults
         self.decode_id = uuid.uuid4().hex
         self.queued = 0  # waiting for pages
@@ -84,6 +97,7 @@ class DecodeReceiver:
         rows = engine.req_pool.req_to_token.shape[0]
         self.staging = staging  # one span per room being received; freed with (or after) its pages
         components, self.aux = register_state(transport, engine.kv_pool, rows, staging)
+        self.page_bytes = {c.state_type: sum(c.item_lens) for c in components}
         session = {
             "mooncake_session": transport.session_id,
             "dst_ptrs": {str(c.state_type): c.data_ptrs for c in components},
@@ -108,6 +122,9 @@ class DecodeReceiver:
 
     def pages_may_be_free(self) -> None:
         self.pages_freed.set()
+
+    def paired(self) -> list[str]:
+        return sorted(self.peers.peers)
 
     def refuse(self, target: PdTarget, reason: str, message: str) -> None:
         """Abort a room this server will not take (queue full, draining), so the prefill ends it."""
@@ -134,13 +151,16 @@ class DecodeReceiver:
         try:
             peer = await self.peers.get(target)
             await self.peers.claim(peer, target, digest)
+            end = horizon(
+                len(prompt_ids), params.max_tokens, self.reserve_tokens, self.engine.allocator.max_ctx
+            )
             req_idx, pages = await self._reserve(
-                len(prompt_ids), lambda: self.peers.claim(peer, target, digest)
+                len(prompt_ids), end, lambda: self.peers.claim(peer, target, digest)
             )
             span = self._stage_span(pages)
             may_land = True
             self.receiving += 1
-            admitted = time.monotonic()
+            admitted = time.monotonic()  # the waiting timeout counts from here, not from arrival
             try:
                 answer = await self._transfer(peer, target, pages, req_idx, span)
                 staged = list(answer.get("staged") or [])
@@ -150,24 +170,28 @@ class DecodeReceiver:
             finally:
                 self.receiving -= 1
             self.metrics.pd_transfer_seconds.observe(time.monotonic() - admitted)
+            for t, ids in pages.items():
+                self.metrics.pd_bytes.labels(str(t)).inc(sum(1 for p in ids if p) * self.page_bytes[t])
             if self.faults is not None:
-                kv = self.engine.kv_pool
-                self.faults.checksums[target.room] = await self.bridge.run(lambda e: page_digests(kv, pages))
+                await self._probe(target.room, pages)
             token, state = unpack_aux(self.aux[req_idx])
             first, prompt = read_logprobs(answer.get("logprobs"), params, prompt_ids, token)
             args = (request_id, prompt_ids, params, req_idx, token, state)
             await self.bridge.run(
                 lambda e: e.admit_transferred(*args, first_logprobs=first, prompt_logprobs=prompt)
             )
+            self.reserved.pop(req_idx, None)
             req_idx = None  # the engine owns it now (its free path frees it)
         except BaseException as exc:
+            if isinstance(exc, (PdError, asyncio.CancelledError)):
+                self.metrics.pd_failures.labels(getattr(exc, "reason", "client_gone")).inc()
             if isinstance(exc, PdError) and exc.reason == "room_in_use":
                 raise  # someone else's room: nothing of ours to abort
             # Tell the prefill either way, so its response ends within a step; its answer says
             # whether a write may still land in the reserved pages.
             writing = await self._abort_room(peer, target, exc)
             if req_idx is not None:
-                self._release(req_idx, span, quarantine=may_land and writing)
+                self._release(target, req_idx, span, quarantine=may_land and writing)
                 span = None
             raise
         finally:
@@ -176,19 +200,29 @@ class DecodeReceiver:
                 self.staging.free(span[0])
 
     async def _reserve(
-        self, prompt_len: int, renew: Callable[[], Awaitable[None]]
+        self, prompt_len: int, end: int, renew: Callable[[], Awaitable[None]]
     ) -> tuple[int, dict[StateType, list[int]]]:
         """Pages and tables for the prompt; waits (queued) while the pools are short. Only a request
-        that found the pools short counts as queued: --max-waiting bounds those, not arrivals."""
+        that found the pools short counts as queued: --max-waiting bounds those with the engine's
+        waiting requests, checked here on the loop as the request joins, so a burst that arrived at
+        once still queues no more than the bound and the rest get 503 with Retry-After."""
         queued = False
         poison = self.faults is not None and self.faults.poison
         try:
             while True:
                 self.pages_freed.clear()
                 try:
-                    return await self.bridge.run(lambda e: e.prealloc(prompt_len, poison=poison))
-                except OutOfPages:
+                    return await self._call_reserve(
+                        functools.partial(
+                            reserve, prompt_len=prompt_len, end=end, reserved=self.reserved,
+                            reserve_tokens=self.reserve_tokens, poison=poison,
+                        )
+                    )  # fmt: skip
+                except OutOfPages as short:
                     if not queued:
+                        if not self.may_queue():
+                            raise PdError("queue_full", f"no pages for the request now ({short}) and the "
+                                          "queue is full; retry later", status=503, retry_after=1) from None  # fmt: skip
                         queued = True
                         self.queued += 1
                 try:
@@ -198,6 +232,41 @@ class DecodeReceiver:
         finally:
             if queued:
                 self.queued -= 1
+
+    async def _call_reserve(
+        self, fn: Callable[[PdEngine], tuple[int, dict[StateType, list[int]]]]
+    ) -> tuple[int, dict[StateType, list[int]]]:
+        """fn on the engine thread; if this task is cancelled (the client left) while it is queued
+        or running there, the row it reserves after all is given back."""
+        call = self.bridge.call(fn)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(call))
+        except asyncio.CancelledError:
+            loop = asyncio.get_running_loop()
+
+            def undo(done: concurrent.futures.Future[Any]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    row = done.result()[0]
+                    loop.call_soon_threadsafe(self._release_unused, row)
+
+            call.add_done_callback(undo)
+            raise
+
+    def _release_unused(self, row: int) -> None:
+        self.reserved.pop(row, None)
+        self.spawn(self._free(row))
+
+    async def _probe(self, room: int, pages: dict[StateType, list[int]]) -> None:
+        """Test hooks: digest what arrived, and fail a request any of whose pages still hold the NaN
+        poison (a page no write reached must never be decoded from)."""
+        assert self.faults is not None
+        kv = self.engine.kv_pool
+        self.faults.checksums[room] = await asyncio.to_thread(page_digests, kv, pages)
+        if self.faults.poison:
+            missed = await asyncio.to_thread(poisoned, kv, pages)
+            if missed:
+                raise PdError("payload_mismatch", f"room {room}: pages of {', '.join(missed)} still hold the "
+                              "NaN poison after the transfer ended: no write reached them")  # fmt: skip
 
     def _stage_span(self, pages: dict[StateType, list[int]]) -> tuple[int, int] | None:
         """A staging span that holds every page of the request packed, if the arena has one free."""
@@ -288,8 +357,10 @@ class DecodeReceiver:
             return True  # nobody to ask: assume the worst
         return await self.peers.delete(target, reason, str(exc) or reason)
 
-    def _release(self, req_idx: int, span: tuple[int, int] | None, *, quarantine: bool) -> None:
-        loop = asyncio.get_running_loop()
+    def _release(
+        self, target: PdTarget, req_idx: int, span: tuple[int, int] | None, *, quarantine: bool
+    ) -> None:
+        self.reserved.pop(req_idx, None)
         if not quarantine:
             self._free_span(span)
             self.spawn(self._free(req_idx))
@@ -297,15 +368,25 @@ class DecodeReceiver:
         self.quarantined += 1
         self.metrics.pd_failures.labels("quarantined").inc()
         log.warning(
-            "request row %d quarantined for %.0fs (a late write may still land)", req_idx, self.quarantine
+            "request row %d quarantined (a late write of room %d may still land)", req_idx, target.room
         )
+        self.spawn(self._quarantine(target, req_idx, span))
 
-        def release() -> None:
+    async def _quarantine(self, target: PdTarget, req_idx: int, span: tuple[int, int] | None) -> None:
+        """Keep the row and span out of use until the prefill says no write of the room can land
+        any more; while it gives no answer (stalled, unreachable, gone), for `quarantine` seconds."""
+        until = time.monotonic() + self.quarantine
+        try:
+            while True:
+                answer = await self.peers.may_land(target)
+                if answer is False or (answer is None and time.monotonic() >= until):
+                    break
+                await asyncio.sleep(QUARANTINE_POLL_SECONDS)
+        finally:
+            log.info("request row %d out of quarantine (room %d)", req_idx, target.room)
             self.quarantined -= 1
             self._free_span(span)
-            self.spawn(self._free(req_idx))
-
-        loop.call_later(self.quarantine, release)
+            await self._free(req_idx)
 
     def _free_span(self, span: tuple[int, int] | None) -> None:
         if span is not None:

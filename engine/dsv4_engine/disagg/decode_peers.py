@@ -4,6 +4,12 @@ One per prefill address: `/route` once (layout fingerprint compared: a mismatch 
 naming the field), this server's session registered once (destination pointers), then a heartbeat
 on its /health that declares the prefill dead after --disaggregation-heartbeat-failures misses.
 A dead peer fails the rooms waiting on it and is dropped: the next request connects afresh.
+
+A prefill restarted on the same address faster than the heartbeat notices answers with a new
+instance id (its /route and /health carry one per process): the heartbeat drops the old peer, and
+a claim it refuses as an unknown session (or a session it blacklisted after a failed write) makes
+this server register again and claim once more, so a restart or a stall costs at most the requests
+it caught, never every later one.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class PrefillPeer:
     address: str
     client: httpx.AsyncClient
     fingerprint: dict[str, Any] | None = None
+    instance: str | None = None  # the prefill process this server registered with
     dead: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
     heartbeat: asyncio.Task[None] | None = None
@@ -77,6 +84,12 @@ class PrefillPeers:
 
     async def _connect(self, peer: PrefillPeer) -> None:
         started = time.monotonic()
+        await self._register(peer)
+        self.metrics.pd_handshake_seconds.observe(time.monotonic() - started)
+        peer.heartbeat = asyncio.ensure_future(self._heartbeat(peer))
+
+    async def _register(self, peer: PrefillPeer) -> None:
+        """GET /route (fingerprint compared) and PUT this server's session, at the instance now there."""
         try:
             route = (await peer.client.get("/route")).json()
             diff = fingerprint_diff(self.fingerprint, route["fingerprint"])
@@ -85,17 +98,11 @@ class PrefillPeers:
             r = await peer.client.put(f"/sessions/{self.decode_id}", json=self.session)
             if r.status_code != 200:
                 raise PdError.from_body(r.json())
-        except PdError as err:
-            self.metrics.pd_failures.labels(err.reason).inc()
-            raise
         except (httpx.HTTPError, ValueError, KeyError) as exc:
-            self.metrics.pd_failures.labels("bootstrap_unreachable").inc()
             raise PdError(
                 "bootstrap_unreachable", f"prefill bootstrap {peer.address} unreachable: {exc}"
             ) from exc
-        peer.fingerprint = route["fingerprint"]
-        self.metrics.pd_handshake_seconds.observe(time.monotonic() - started)
-        peer.heartbeat = asyncio.ensure_future(self._heartbeat(peer))
+        peer.fingerprint, peer.instance = route["fingerprint"], route.get("instance")
 
     async def _heartbeat(self, peer: PrefillPeer) -> None:
         misses = 0
@@ -105,8 +112,12 @@ class PrefillPeers:
                 # A check waits at least HEARTBEAT_TIMEOUT: a busy prefill answers late, not never.
                 r = await peer.client.get("/health", timeout=max(self.heartbeat_interval, HEARTBEAT_TIMEOUT))
                 misses = 0 if r.status_code == 200 else misses + 1
-            except httpx.HTTPError:
-                misses += 1
+                instance = r.json().get("instance") if r.status_code == 200 else peer.instance
+            except (httpx.HTTPError, ValueError):
+                misses, instance = misses + 1, peer.instance
+            if instance != peer.instance:  # restarted: its rooms and our session died with the old one
+                self.declare_dead(peer, f"prefill instance {peer.address} restarted")
+                return
             if misses >= self.heartbeat_failures:
                 self.declare_dead(peer, f"Lost connection with prefill instance {peer.address}")
 
@@ -120,7 +131,19 @@ class PrefillPeers:
             del self.peers[peer.address]
 
     async def claim(self, peer: PrefillPeer, target: PdTarget, digest: str) -> None:
-        """PUT /rooms/{room}: this server takes the room (renewed while it queues for pages)."""
+        """PUT /rooms/{room}: this server takes the room (renewed while it queues for pages). A prefill
+        that does not know this server's session (restarted) or blacklisted it (a write to it failed)
+        gets it registered again, and the claim is made once more."""
+        try:
+            await self._claim(peer, target, digest)
+        except PdError as err:
+            if err.reason not in ("unknown_session", "peer_dead"):
+                raise
+            log.info("prefill %s answered %s: registering again", peer.address, err.reason)
+            await self._register(peer)
+            await self._claim(peer, target, digest)
+
+    async def _claim(self, peer: PrefillPeer, target: PdTarget, digest: str) -> None:
         try:
             r = await peer.client.put(
                 f"/rooms/{target.room}", json={"decode_id": self.decode_id, "prompt_digest": digest}
@@ -148,6 +171,17 @@ class PrefillPeers:
         except (httpx.HTTPError, ValueError) as exc:
             log.info("could not abort room %d at %s: %r", target.room, target.address, exc)
             return True
+
+    async def may_land(self, target: PdTarget) -> bool | None:
+        """Whether a write of the room may still land here, as its prefill says; None when it does
+        not answer (stalled, unreachable, gone)."""
+        url = f"http://{target.address}/rooms/{target.room}"
+        try:
+            async with httpx.AsyncClient(timeout=HEARTBEAT_TIMEOUT) as client:
+                r = await client.get(url, params={"decode_id": self.decode_id})
+            return bool(r.json()["may_land"]) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
 
     async def close(self) -> None:
         for peer in list(self.peers.values()):

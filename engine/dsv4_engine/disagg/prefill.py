@@ -4,7 +4,7 @@ A room pairs two halves that arrive in either order: this server's own HTTP requ
 sampling) and a decode server's claim (then its destination pages). The prompt reaches the engine
 only once the decode side has reserved its pages, so nothing is computed for a request no decode
 server can take. Then the step observer (prefill_send) queues each step's finished pages as write
-jobs and one worker thread (prefill_writer) writes them in order and closes the room. The
+jobs and the transfer threads (prefill_writer) write them, each room's in order, and close it. The
 transfer's answer lists the segments that landed in the decode's staging span, for it to unpack.
 
 The loop owns rooms and sessions; the engine thread and the worker post results back through it.
@@ -48,6 +48,7 @@ class PrefillRooms:
         metrics: PdMetrics,
         staging: StagingArena | None = None,
         faults: FaultHooks | None = None,
+        threads: int = 4,
     ) -> None:
         self.transport = transport
         self.loop = loop
@@ -64,7 +65,7 @@ class PrefillRooms:
         self._lock = threading.Lock()  # a room's failure against its next write (TransferWorker.lock)
         self.writer = TransferWorker(
             engine, bridge, transport, components, staging=staging, metrics=metrics, lock=self._lock,
-            fail_soon=self._fail_soon, succeed_soon=self._succeed_soon, faults=faults,
+            fail_soon=self._fail_soon, succeed_soon=self._succeed_soon, faults=faults, threads=threads,
         )  # fmt: skip
         sender = ChunkSender(
             engine, components, aux, staging=staging, room_of=self.by_request.get,
@@ -133,6 +134,9 @@ class PrefillRooms:
 
     def dead_sessions(self) -> list[str]:
         return sorted(k for k, v in self.sessions.items() if v.dead)
+
+    def late_writes(self) -> int:
+        return self.writer.late()
 
     async def close(self) -> None:
         await asyncio.to_thread(self.writer.stop)
@@ -230,8 +234,17 @@ class PrefillRooms:
         if room is None:
             room = self._new_room(number)  # the prefill request may still arrive: it must fail at once
         self.fail(room, PdError(reason, f"the decode server aborted room {number}: {message}"))
+        return self.may_land(number, decode_id)
+
+    def may_land(self, number: int, decode_id: str) -> bool:
+        """Whether a write of the room may still change `decode_id`'s pages (room.may_land). A room
+        this server does not know (never started here, forgotten after it closed, or a process
+        restarted since) or another decode server's has none."""
+        room = self.rooms.get(number)
+        if room is None or room.session is None or room.session.decode_id != decode_id:
+            return False
         with self._lock:
-            return room.writing
+            return room.may_land
 
     # ---- ending a room (loop) ----------------------------------------------------------------
     def fail(self, room: Room, error: PdError) -> None:

@@ -1,5 +1,5 @@
 """The prefill's step observer: after every engine step, what the step finished of each started room
-becomes a write job for the transfer worker (prefill_writer).
+becomes a write job for the transfer threads (prefill_writer), its request row pinned until then.
 
 Full-family pages (C4, C128, INDEXER) go as the chunks that complete them do; the SWA window, the
 compressor-state tails and the aux slot (first token and the seeded generator's state) go with the
@@ -104,7 +104,9 @@ class ChunkSender:
             src[t], dst[t], spans[t] = s[lo:hi], d[lo:hi], (lo, hi)
         if self.faults is not None:
             self.faults.before_send(room.room, src, self.engine.kv_pool)
-        room.sent_pages = done_pages
+            if self.faults.skipped(room.room):  # the decode's pages are left as they are (poisoned)
+                src, dst = {t: [] for t in src}, {t: [] for t in dst}
+        room.sent_pages = max(room.sent_pages, done_pages)  # a preempted request's recompute resends nothing
         entries = plan_writes(self.components, room.session.dst_ptrs, src, dst)
         job = Job(room, entries, self._bytes_by_type(src), final)
         shape = write_shape(self.components, src, dst, len(entries))
@@ -122,6 +124,10 @@ class ChunkSender:
                 Entries.one(slot.data_ptr(), room.session.aux_ptr + room.dst_aux * AUX_BYTES, AUX_BYTES)
             )
         if len(job.entries) or job.pieces or final:
+            # The row's pages (and its aux slot) stay this request's until the write returned: the
+            # scheduler preempts no pinned request, and a freed one keeps them until the unpin.
+            self.engine.allocator.pin(seq.req_idx)
+            job.row = seq.req_idx
             self.writer.put(job)
 
     def _route(

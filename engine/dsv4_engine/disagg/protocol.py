@@ -47,10 +47,6 @@ AUX_BYTES = 8192
 _AUX_HEAD = struct.Struct("<qq")
 MAX_ROOM = 2**64
 
-# Mooncake's own transfer timeout (MC_TRANSFER_TIMEOUT, default 30 s) plus a margin: pages of a room
-# whose peer was declared dead stay out of the free lists this long, so a late write lands nowhere live.
-QUARANTINE_MARGIN = 5.0
-
 
 class RoomStatus(enum.IntEnum):
     """SGLang's KVPoll order: Failed < Bootstrapping < WaitingForInput < Transferring < Success."""
@@ -160,11 +156,11 @@ def page_digests(kv_pool: Dsv4TokenToKVPool, pages: dict[StateType, list[int]]) 
 
 
 def quarantine_seconds(env: dict[str, str]) -> float:
-    try:
-        mc_timeout = float(env.get("MC_TRANSFER_TIMEOUT", "30"))
-    except ValueError:
-        mc_timeout = 30.0
-    return max(5.0, mc_timeout) + QUARANTINE_MARGIN
+    """How long a decode keeps pages a late write may land in when the prefill cannot say whether one
+    still can (stalled or unreachable): Mooncake's transfer timeout plus a margin."""
+    from dsv4_engine.disagg.mooncake.config import LATE_MARGIN_SECONDS, transfer_timeout_s
+
+    return transfer_timeout_s(env) + LATE_MARGIN_SECONDS
 
 
 def pack_aux(buf: torch.Tensor, first_token: int, generator: torch.Generator | None) -> None:

@@ -1,8 +1,8 @@
 """A prefill server's room: the two halves of one PD request, met in either order, and its progress.
 
 The loop (prefill.PrefillRooms) creates rooms, fills both halves and ends them; once a room has
-started, the engine thread (prefill_send) and the transfer worker (prefill_writer) read its
-destination and write only the progress fields marked as theirs.
+started, the engine thread (prefill_send) and the transfer threads (prefill_writer) read its
+destination and write only the progress fields marked as theirs (the worker's under the rooms' lock).
 """
 
 from __future__ import annotations
@@ -56,9 +56,19 @@ class Room:
     logprobs: dict[str, Any] | None = None  # protocol.logprobs_body, sent with the transfer's answer
     # progress: the worker's
     writing: bool = False  # a write of this room is in the transport right now
-    closed: bool = False  # every write has returned and the engine was told to free the pages
+    late: int = 0  # writes that abandoned entries Mooncake may still move (into the decode's pages)
+    close_requested: bool = False  # closed once `late` is back at 0
+    closed: bool = False  # every write has ended and the engine was told to free the pages
     bytes_by_type: dict[str, int] = field(default_factory=dict)
     # the loop's
     started: bool = False
     error: PdError | None = None
     transfer_started: float | None = None
+
+    @property
+    def may_land(self) -> bool:
+        """A write of this room may still change the decode's pages (read it under the rooms' lock):
+        one is in the transport, entries one abandoned may still move, or the room is still going
+        (started, neither failed nor closed: more of its jobs may come)."""
+        going = self.started and not self.closed and self.status is not RoomStatus.FAILED
+        return self.writing or self.late > 0 or going

@@ -10,7 +10,9 @@ A step is `prefix_len -> seq_len` for one request: chunked prefill, a whole prom
 token (prefix_len = seq_len - 1). Only what the step adds is allocated (prefix-aware).
 
 The allocator owns the request pool's rows: `alloc_request` hands one out, `free` is the one path that
-releases it (every page of every family, then the zeroed row).
+releases it (every page of every family, then the zeroed row). A row can be pinned while something
+outside the engine still reads its pages (a PD transfer): a pinned row is never freed; `free` then
+defers to the last `unpin`.
 """
 
 from __future__ import annotations
@@ -153,6 +155,8 @@ class Dsv4Allocator:
         self._active = {"c4s": has_c4, "c128s": has_c128}
         self._reqs: dict[int, _ReqPages] = {}
         self._journal: list[tuple[str, tuple]] | None = None
+        self._pins: dict[int, int] = {}  # row -> pins (PD writes queued or in flight that read it)
+        self._deferred: set[int] = set()  # rows freed while pinned: freed at their last unpin
 
     # ---- replication (parallel/: the other ranks of a server mirror rank 0's pages) -------------
     def record(self) -> None:
@@ -205,6 +209,12 @@ class Dsv4Allocator:
         r = self._reqs.get(req_idx)
         return r.seq_len if r else 0
 
+    def pages_of(self, req_idx: int) -> dict[str, list[int]]:
+        """Every page the row holds, per family."""
+        r = self._reqs.get(req_idx, _ReqPages())
+        return {"full": list(r.full), "swa": list(r.swa.values()), "c4s": list(r.c4s.values()),
+                "c128s": list(r.c128s.values())}  # fmt: skip
+
     def held_pages(self, req_idx: int) -> dict[str, int]:
         r = self._reqs.get(req_idx, _ReqPages())
         return {"full": len(r.full), "swa": len(r.swa), "c4s": len(r.c4s), "c128s": len(r.c128s)}
@@ -251,6 +261,33 @@ class Dsv4Allocator:
                     raise AssertionError(f"request {spec.req_idx}: {fam} state page {k} lost before use")
                 need[fam].append(k)
         return _Plan(free=free, need=need)
+
+    def _hold_plan(self, seq_len: int) -> dict[str, list[int]]:
+        """Page indices per family a request of seq_len holds to continue: every full page, the SWA
+        pages from the window's start, the state tails (what alloc_prealloc takes)."""
+        p = self.page_size
+        need = {
+            "full": list(range(cdiv(seq_len, p))),
+            "swa": list(self._pages_in(swa_window_start(seq_len, self.layout.window, p), seq_len)),
+        }
+        for fam, ratio in self._state_ratio.items():
+            active = self._active[fam]
+            need[fam] = list(self._pages_in(state_alloc_offset(ratio, seq_len), seq_len)) if active else []
+        return need
+
+    def pages_to_hold(self, seq_len: int) -> dict[str, int]:
+        """Pages per family a request of seq_len holds (alloc_prealloc's)."""
+        return {fam: len(ks) for fam, ks in self._hold_plan(seq_len).items()}
+
+    def growth(self, req_idx: int, seq_len: int) -> dict[str, int]:
+        """Pages per family the row must still take to reach seq_len: the full pages it lacks, and for
+        the window and the state tails what a request of seq_len holds beyond what it holds now."""
+        r = self._reqs.get(req_idx, _ReqPages())
+        hold = self.pages_to_hold(seq_len)
+        return {
+            "full": max(0, hold["full"] - len(r.full)),
+            **{fam: max(0, hold[fam] - len(getattr(r, fam))) for fam in ("swa", "c4s", "c128s")},
+        }
 
     def pages_needed(self, specs: Sequence[ExtendSpec]) -> dict[str, int]:
         """Net pages per family a batch step takes (allocations minus releases)."""
@@ -306,14 +343,7 @@ class Dsv4Allocator:
         self._check_row(req_idx)
         if req_idx in self._reqs:
             raise ValueError(f"request {req_idx} already holds memory")
-        p = self.page_size
-        need = {
-            "full": list(range(cdiv(seq_len, p))),
-            "swa": list(self._pages_in(swa_window_start(seq_len, self.layout.window, p), seq_len)),
-        }
-        for fam, ratio in self._state_ratio.items():
-            active = self._active[fam]
-            need[fam] = list(self._pages_in(state_alloc_offset(ratio, seq_len), seq_len)) if active else []
+        need = self._hold_plan(seq_len)
         for fam in FAMILIES:
             if len(need[fam]) > self.pools[fam].num_free:
                 raise OutOfPages(
@@ -405,16 +435,42 @@ class Dsv4Allocator:
             ) = (torch.tensor(x, dtype=torch.int64) for x in (full, swa, c4, c128, c4s, c128s))
         return out
 
+    # ---- pins (PD: a transfer reading the row's pages) -------------------------------------------
+    def pin(self, req_idx: int) -> None:
+        """Something outside the engine reads this row's pages until `unpin` (a PD write)."""
+        self._check_row(req_idx)
+        self._pins[req_idx] = self._pins.get(req_idx, 0) + 1
+
+    def unpin(self, req_idx: int) -> None:
+        n = self._pins[req_idx] - 1
+        if n:
+            self._pins[req_idx] = n
+            return
+        del self._pins[req_idx]
+        if req_idx in self._deferred:
+            self._deferred.discard(req_idx)
+            self._free_now(req_idx)
+
+    def pinned(self, req_idx: int) -> bool:
+        return req_idx in self._pins
+
     # ---- freeing -------------------------------------------------------------------------------
     def free(self, req_idx: int) -> None:
         """The one free path: every page of every family the request holds (c4/c128 included), then
         the row itself with all its tables zeroed, so a reused row never points at someone else's page.
+        A pinned row keeps everything until its last unpin.
 
         A row that holds no pages is just released. Raises ValueError for a row that is not in use
         (freed twice, or never handed out by `alloc_request`).
         """
-        if not self.req_pool.is_allocated(req_idx):
+        if not self.req_pool.is_allocated(req_idx) or req_idx in self._deferred:
             raise ValueError(f"request row {req_idx} is not allocated (double free, or never handed out)")
+        if req_idx in self._pins:
+            self._deferred.add(req_idx)
+            return
+        self._free_now(req_idx)
+
+    def _free_now(self, req_idx: int) -> None:
         r = self._reqs.pop(req_idx, None)
         if r is not None:
             self.pools["full"].free(r.full)

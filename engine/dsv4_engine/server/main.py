@@ -94,7 +94,11 @@ def main(argv: list[str]) -> int:
     asked = settings.device
     try:
         settings = check(settings)
-    except SettingsError as exc:
+        if settings.disaggregation_mode != "null":
+            from dsv4_engine.server.pd import check_transport
+
+            check_transport(settings)  # a missing NPU id or bad PD setting, before the model loads
+    except (SettingsError, ValueError) as exc:
         print(f"dsv4 serve: error: {exc}", file=sys.stderr)
         return 2
     log.info("device: %s%s", settings.device, " (from --device auto)" if asked == "auto" else "")

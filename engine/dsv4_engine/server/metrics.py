@@ -34,9 +34,9 @@ REJECTION_REASONS = ("loading", "draining", "stopped", "dead", "queue_full")
 # Why a PD request fails, as disagg/ raises them (tests/monitoring checks that list against the code);
 # a reason a peer reports is counted under its own name too.
 PD_FAILURE_REASONS = (
-    "bad_aux", "bootstrap_timeout", "bootstrap_unreachable", "decode_gone", "layout_mismatch",
-    "payload_mismatch", "peer_dead", "prefill_dead", "prompt_mismatch", "quarantined", "room_in_use",
-    "transfer_failed", "transfer_timeout", "unknown_room", "unknown_session",
+    "bad_aux", "bootstrap_timeout", "bootstrap_unreachable", "client_gone", "decode_gone",
+    "layout_mismatch", "payload_mismatch", "peer_dead", "prefill_dead", "prompt_mismatch", "quarantined",
+    "queue_full", "room_in_use", "transfer_failed", "transfer_timeout", "unknown_room", "unknown_session",
 )  # fmt: skip
 
 # How the prefill writes a request's pages (disagg/transfer.py: PATHS, path_label), each counter
@@ -218,7 +218,8 @@ class ServerMetrics:
         # PD (disagg/): what moved, how long it took, and why it failed.
         self.pd_bytes = Counter(
             f"{PREFIX}_pd_transfer_bytes",
-            "Bytes of paged state moved to decode servers, by state type (prefill side).",
+            "Bytes of paged state moved, by state type: sent to decode servers (prefill), received "
+            "from prefill servers (decode).",
             ["state_type"],
             registry=r,
         )

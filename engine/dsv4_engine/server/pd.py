@@ -110,7 +110,7 @@ def pd_error(err: PdError) -> ApiError:
         if err.status == 503
         else "server_error"
     )
-    param = "bootstrap_room" if err.reason in ("room_in_use", "prompt_mismatch") else None
+    param = {"room_in_use": "bootstrap_room", "prompt_mismatch": "prompt"}.get(err.reason)
     return ApiError(err.status, err.message, type=kind, param=param, code=f"pd_{err.reason}", headers=headers)
 
 
@@ -225,6 +225,28 @@ def check_admission(ctx: ServerContext, req: PdRequest) -> None:
 
 
 # ---- set-up ------------------------------------------------------------------------------------
+# Environment read here until each becomes a `dsv4 serve` flag.
+TRANSFER_THREADS_ENV = "DSV4_PD_TRANSFER_THREADS"  # prefill: rooms written at once (default 4)
+
+
+def check_transport(settings: ServerSettings) -> None:
+    """Before the model loads: what the transport needs of this host is there (the NPU's physical id
+    for `ascend`, a valid protocol), and the PD environment parses. ValueError naming what is wrong."""
+    from dsv4_engine.disagg.decode_reserve import reserved_tokens
+    from dsv4_engine.disagg.mooncake import engine_device
+
+    engine_device(settings.transfer_protocol, str(settings.device))
+    transfer_threads()
+    reserved_tokens()
+
+
+def transfer_threads() -> int:
+    value = os.environ.get(TRANSFER_THREADS_ENV, "4")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{TRANSFER_THREADS_ENV} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
 def transfer_host(settings: ServerSettings) -> str:
     """The transport's hostname: the pod IP when the operator sets POD_IP, else --host, else this host."""
     host = os.environ.get("POD_IP") or settings.host
@@ -236,6 +258,7 @@ def transfer_host(settings: ServerSettings) -> str:
 async def setup(ctx: ServerContext, engine: LLMEngine) -> None:
     """Build the role's half after the engine loaded: transport, fingerprint, bootstrap or receiver."""
     from dsv4_engine.disagg.checkpoint import checkpoint_digest
+    from dsv4_engine.disagg.decode_reserve import reserved_tokens
     from dsv4_engine.disagg.fingerprint import layout_fingerprint
     from dsv4_engine.disagg.mooncake import create_transport
 
@@ -243,7 +266,7 @@ async def setup(ctx: ServerContext, engine: LLMEngine) -> None:
     digest = await asyncio.to_thread(checkpoint_digest, s.model)
     fingerprint = layout_fingerprint(engine.layout, engine.kv_pool.pd_state_components(), digest)
     ctx.fingerprint = fingerprint
-    transport = ctx.transport = create_transport(transfer_host(s), s.transfer_protocol)
+    transport = ctx.transport = create_transport(transfer_host(s), s.transfer_protocol, str(s.device))
     staging = None
     if s.staging_mib:
         from dsv4_engine.memory.staging import StagingArena
@@ -263,6 +286,7 @@ async def setup(ctx: ServerContext, engine: LLMEngine) -> None:
         rooms = ctx.prefill = PrefillRooms(
             engine, ctx.bridge, transport, asyncio.get_running_loop(), fingerprint=fingerprint,
             bootstrap_timeout=s.bootstrap_timeout, metrics=ctx.metrics, staging=staging, faults=faults,
+            threads=transfer_threads(),
         )  # fmt: skip
         port = s.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
         ctx.bootstrap_server = await serve_bootstrap(create_bootstrap_app(rooms), s.host, port)
@@ -270,11 +294,20 @@ async def setup(ctx: ServerContext, engine: LLMEngine) -> None:
     else:
         from dsv4_engine.disagg.decode import DecodeReceiver
 
+        bridge = ctx.bridge
+
+        def may_queue() -> bool:
+            """One more sequence may wait for pages: --max-waiting bounds these with the engine's."""
+            if bridge.waiting() + ctx.pd_waiting() + 1 <= s.max_waiting:
+                return True
+            ctx.metrics.rejected.labels("queue_full").inc()
+            return False
+
         receiver = ctx.decode = DecodeReceiver(
             engine, ctx.bridge, transport, fingerprint=fingerprint, waiting_timeout=s.waiting_timeout,
             heartbeat_interval=s.heartbeat_interval, heartbeat_failures=s.heartbeat_failures,
-            quarantine=quarantine_seconds(dict(os.environ)), metrics=ctx.metrics, staging=staging,
-            faults=faults,
+            quarantine=quarantine_seconds(dict(os.environ)), metrics=ctx.metrics, may_queue=may_queue,
+            reserve_tokens=reserved_tokens(), staging=staging, faults=faults,
         )  # fmt: skip
         log.info("decode receiver %s, Mooncake session %s", receiver.decode_id, transport.session_id)
 

@@ -69,6 +69,43 @@ async def deaf(request: Request, on: bool = True) -> JSONResponse:
     return JSONResponse({"deaf": on})
 
 
+@router.post("/pd/hold")
+async def hold(request: Request, room: int) -> JSONResponse:
+    """Prefill: hold the first entry of room `room`'s next write (disagg/faults.Hold) until
+    /debug/pd/release: a stalled peer, past the write's deadline if the release comes after it."""
+    from dsv4_engine.disagg.faults import Hold
+
+    _faults(request).holds[room] = Hold()
+    return JSONResponse({"held": room})
+
+
+@router.post("/pd/release")
+async def release(request: Request, room: int) -> JSONResponse:
+    held = _faults(request).holds.get(room)
+    if held is None:
+        return JSONResponse({"error": f"no hold on room {room}"}, status_code=404)
+    held.release.set()
+    return JSONResponse({"released": room})
+
+
+@router.post("/pd/skip")
+async def skip(request: Request, room: int) -> JSONResponse:
+    """Prefill: never write room `room`'s pages (its aux slot still goes): the decode's poison stays."""
+    _faults(request).skip.add(room)
+    return JSONResponse({"skipped": room})
+
+
+@router.get("/pd/live")
+async def live(request: Request) -> JSONResponse:
+    """A digest of every page of every running request (disagg/faults.live_digests), taken between
+    engine steps: pause the engine first to compare two of them."""
+    from dsv4_engine.disagg.faults import live_digests
+
+    _faults(request)
+    bridge = request.app.state.ctx.bridge
+    return JSONResponse(await bridge.run(live_digests))
+
+
 @router.post("/pd/staging")
 async def staging(request: Request, mode: str) -> JSONResponse:
     """Prefill: write every job on one path (a `dsv4_pd_transfer_writes_total` path label; "always"
@@ -93,8 +130,11 @@ async def pd_state(request: Request) -> JSONResponse:
             "checksums": {str(k): v for k, v in faults.checksums.items()} if faults is not None else {},
             "depths": ctx.pd.depths() if ctx.pd is not None else {},
             "decode_id": ctx.decode.decode_id if ctx.decode is not None else None,
+            "paired": ctx.decode.paired() if ctx.decode is not None else [],
             "dead_sessions": ctx.prefill.dead_sessions() if ctx.prefill is not None else [],
             "logits": dict(faults.logits) if faults is not None else {},
+            "holds": {str(k): v.state() for k, v in faults.holds.items()} if faults is not None else {},
+            "late": ctx.prefill.late_writes() if ctx.prefill is not None else 0,
         }
     )
 

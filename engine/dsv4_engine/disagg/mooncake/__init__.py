@@ -5,15 +5,18 @@ Mooncake: creating a transport does."""
 from dsv4_engine.disagg.mooncake.config import (
     MOONCAKE_ENV_DEFAULTS,
     apply_env_defaults,
+    engine_device,
     session_host,
     transfer_hostname,
 )
 from dsv4_engine.disagg.mooncake.transfer_engine import DEFAULT_MAX_ENTRIES, MooncakeTransport
 
 
-def create_transport(host: str, protocol: str) -> MooncakeTransport:
-    """This server's transport, reachable at `host` (the pod IP or --host) over `protocol`."""
-    return MooncakeTransport(transfer_hostname(host, protocol), protocol)
+def create_transport(host: str, protocol: str, device: str = "cpu") -> MooncakeTransport:
+    """This server's transport, reachable at `host` (the pod IP or --host) over `protocol`, for pools
+    on `device` (--device: the NPU whose physical id the ascend hostname carries)."""
+    npu, device_name = engine_device(protocol, device)
+    return MooncakeTransport(transfer_hostname(host, protocol, npu), protocol, device_name)
 
 
 __all__ = [
@@ -22,6 +25,7 @@ __all__ = [
     "MooncakeTransport",
     "apply_env_defaults",
     "create_transport",
+    "engine_device",
     "session_host",
     "transfer_hostname",
 ]

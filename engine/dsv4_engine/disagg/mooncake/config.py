@@ -31,6 +31,12 @@ def apply_env_defaults(env: dict[str, str] | os._Environ[str] = os.environ) -> d
     return {key: env[key] for key in MOONCAKE_ENV_DEFAULTS}
 
 
+# How long past its own transfer timeout an entry Mooncake still reports pending is waited for
+# before its source is given back (transfer_engine.LateEntries); the decode's quarantine without
+# word from the prefill is the same timeout plus this (protocol.quarantine_seconds).
+LATE_MARGIN_SECONDS = 5.0
+
+
 def transfer_timeout_s(env: dict[str, str] | os._Environ[str] = os.environ) -> float:
     """Mooncake's synchronous-write timeout (MC_TRANSFER_TIMEOUT, at least 5 s, default 30 s): a write
     waits this long plus 1 ns a byte, as batch_transfer_sync_write would."""
@@ -46,6 +52,44 @@ def _free_port(host: str) -> int:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+IB_DEVICE_ENV = "DSV4_DISAGGREGATION_IB_DEVICE"  # SGLang's --disaggregation-ib-device (a flag later)
+PROTOCOLS = ("tcp", "rdma", "ascend")
+
+
+def npu_phy_id(device: str, env: dict[str, str] | os._Environ[str] = os.environ) -> int:
+    """The physical id of the NPU this server's pools live on (`device` is --device: npu:K is logical
+    index K, 0 by default): ASCEND_RT_VISIBLE_DEVICES lists the physical ids the logical indices map
+    to; without it the logical index is the physical one. ValueError naming what is missing."""
+    kind, _, index = device.partition(":")
+    logical = int(index) if index.isdigit() else 0
+    visible = [v.strip() for v in env.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible:
+        if logical >= len(visible) or not visible[logical].isdigit():
+            raise ValueError(f"--transfer-protocol ascend: ASCEND_RT_VISIBLE_DEVICES={env['ASCEND_RT_VISIBLE_DEVICES']!r} "
+                             f"has no physical id for logical NPU {logical} (--device {device})")  # fmt: skip
+        return int(visible[logical])
+    if kind != "npu":
+        raise ValueError(f"--transfer-protocol ascend needs an NPU, and this server has none (--device {device}, "
+                         "ASCEND_RT_VISIBLE_DEVICES unset): serve with --device npu[:K], or set "
+                         "ASCEND_RT_VISIBLE_DEVICES")  # fmt: skip
+    return logical
+
+
+def engine_device(
+    protocol: str, device: str, env: dict[str, str] | os._Environ[str] = os.environ
+) -> tuple[int | None, str]:
+    """(NPU physical id for the hostname, Mooncake's device_name) for `protocol`: ascend needs the
+    NPU's physical id (npu_phy_id), rdma takes the RDMA devices in $DSV4_DISAGGREGATION_IB_DEVICE (Mooncake
+    picks one when empty), tcp neither. ValueError (a startup error, naming what is missing) else."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"--transfer-protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    if protocol == "ascend":
+        return npu_phy_id(device, env), ""
+    if protocol == "rdma":
+        return None, env.get(IB_DEVICE_ENV, "").strip()
+    return None, ""
 
 
 def transfer_hostname(
