@@ -22,6 +22,7 @@ torch code the kernels mirror.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -61,14 +62,21 @@ def _build() -> None:
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     out = cache_dir()
     out.mkdir(parents=True, exist_ok=True)
-    module = cpp_extension.load(
-        name="dsv4_cpu_kernels",
-        sources=[str(_staged_sources(out))],
-        build_directory=str(out),
-        extra_cflags=list(CFLAGS),
-        is_python_module=True,
-        verbose=False,
-    )
+    # One build at a time, under a lock the kernel drops when its holder dies. torch's own lock is a
+    # file it waits on while it exists: a build killed midway (a pod stopped during start-up) leaves
+    # it behind, and every later start would wait forever. Under our lock nobody else is building,
+    # so a torch lock found here is such a leftover.
+    with open(out / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (out / "lock").unlink(missing_ok=True)
+        module = cpp_extension.load(
+            name="dsv4_cpu_kernels",
+            sources=[str(_staged_sources(out))],
+            build_directory=str(out),
+            extra_cflags=list(CFLAGS),
+            is_python_module=True,
+            verbose=False,
+        )
     _register_fakes()
     _bound[:] = [module]
 
