@@ -165,7 +165,7 @@ async def encode_chat(ctx: ServerContext, req: ChatCompletionRequest) -> list[in
     return await encode_messages(
         ctx,
         req.messages,
-        template_kwargs=req.chat_template_kwargs,
+        template_kwargs=req.template_kwargs(),
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         # tool_choice "none": the model is not told about the tools at all
