@@ -4,21 +4,21 @@ stream events in order, tool calls and their outputs, reasoning items, stored re
 `previous_response_id`, and a two-tool agent run to its structured final answer.
 
 The tiny model is random and picks no tool by itself: as the chat tool tests do, requests force calls
-with `tool_choice` (a grammar), and the agent's turns follow a plan of `tool_choice`s (`Scripted`).
+with `tool_choice` (a grammar), and the agent's turns follow a plan of `tool_choice`s (agent_task.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
+import importlib.util
 import json
-from collections.abc import AsyncIterator, Iterator
-from typing import Annotated, Any, Literal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
 import openai
-import pydantic
 import pytest
 
 from dsv4_engine.server.app import create_app
@@ -229,87 +229,21 @@ def test_what_is_not_served_is_a_400_naming_it(base: str, body: dict[str, Any], 
 
 
 # ---- the Agents SDK --------------------------------------------------------------------------------
-class Answer(pydantic.BaseModel):
-    city: Literal["Paris", "Rome"]
-    warm: bool
-
-
-PLAN = ["get_weather", "is_warm", "none"]  # each turn's tool_choice, by the tool outputs so far
-
-
-def _scripted(model_cls: Any) -> Any:
-    class Scripted(model_cls):  # type: ignore[misc,valid-type]
-        """The SDK's own model class, with each turn's tool_choice taken from PLAN: the random tiny
-        model cannot choose, so the test chooses, as the chat tool tests force calls."""
-
-        def _plan(self, input: Any, settings: Any) -> Any:
-            done = sum(1 for i in input if isinstance(i, dict) and i.get("type") == "function_call_output")
-            return dataclasses.replace(settings, tool_choice=PLAN[done])
-
-        async def get_response(
-            self, system_instructions: Any, input: Any, model_settings: Any, *a: Any, **k: Any
-        ) -> Any:
-            return await super().get_response(
-                system_instructions, input, self._plan(input, model_settings), *a, **k
-            )
-
-        async def stream_response(
-            self, system_instructions: Any, input: Any, model_settings: Any, *a: Any, **k: Any
-        ) -> AsyncIterator[Any]:
-            settings = self._plan(input, model_settings)
-            async for event in super().stream_response(system_instructions, input, settings, *a, **k):
-                yield event
-
-    return Scripted
-
-
-def run_agent(base_url: str, *, api: str = "responses", stream: bool = False) -> tuple[Any, list[str]]:
-    """The two-tool agent, run to its final answer; (the run's result, the tools it called)."""
-    from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
-    from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
-    from agents.models.openai_responses import OpenAIResponsesModel
-
-    set_tracing_disabled(True)
-    called: list[str] = []
-
-    @function_tool
-    def get_weather(city: Literal["Paris", "Rome"]) -> str:
-        """The weather in a city."""
-        called.append("get_weather")
-        return f"{city}: sunny, 24 C"
-
-    @function_tool
-    def is_warm(celsius: Annotated[int, pydantic.Field(ge=-40, le=50)]) -> str:
-        """Whether a temperature is warm."""
-        called.append("is_warm")
-        return "yes" if celsius >= 20 else "no"
-
-    async def main() -> Any:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
-        cls = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
-        agent = Agent(
-            name="weather",
-            instructions="Find the weather, then say whether it is warm.",
-            model=_scripted(cls)(model=NAME, openai_client=client),
-            model_settings=ModelSettings(temperature=0, max_tokens=MAX, parallel_tool_calls=False),
-            tools=[get_weather, is_warm],
-            output_type=Answer,
-        )
-        if not stream:
-            return await Runner.run(agent, "Is it warm in Rome?", max_turns=5)
-        run = Runner.run_streamed(agent, "Is it warm in Rome?", max_turns=5)
-        async for _ in run.stream_events():
-            pass
-        return run
-
-    return asyncio.run(main()), called
+@pytest.fixture(scope="module")
+def agent_task() -> Any:
+    """tests/server/agent_task.py, by path (sibling modules are not importable by name)."""
+    spec = importlib.util.spec_from_file_location(
+        "server_agent_task", Path(__file__).with_name("agent_task.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pydantic looks the module up while it builds the models
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_agents_sdk_runs_a_two_tool_task(base: str, stream: bool) -> None:
-    result, called = run_agent(f"{base}/v1", stream=stream)
-    assert called == ["get_weather", "is_warm"]
-    assert isinstance(result.final_output, Answer)
-    assert [r.response_id[:5] for r in result.raw_responses] == ["resp_"] * 3  # three model turns
-    kinds = [item.type for item in result.new_items]
-    assert kinds == ["tool_call_item", "tool_call_output_item"] * 2 + ["message_output_item"], kinds
+def test_agents_sdk_runs_a_two_tool_task(base: str, agent_task: Any, stream: bool) -> None:
+    result, called = agent_task.run_agent(f"{base}/v1", NAME, stream=stream)
+    agent_task.check_run(result, called)
+    assert [r.response_id[:5] for r in result.raw_responses] == ["resp_"] * 3  # over /v1/responses
