@@ -102,6 +102,14 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
 
 
+# The fields a Responses body shares with chat's, passed on as they are.
+_PASSED_ON = {
+    "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+    "stop", "ignore_eos", "chat_template_kwargs", "user", "bootstrap_host", "bootstrap_port",
+    "bootstrap_room", "bootstrap_pair_key",
+}  # fmt: skip
+
+
 def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request `req` amounts to, after the conversation `history` (previous_response_id)."""
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -124,25 +132,7 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req),
         "reasoning_effort": req.reasoning.effort if req.reasoning else None,
-        **req.model_dump(
-            include={
-                "seed",
-                "top_k",
-                "min_p",
-                "repetition_penalty",
-                "presence_penalty",
-                "frequency_penalty",
-                "logit_bias",
-                "stop",
-                "ignore_eos",
-                "chat_template_kwargs",
-                "user",
-                "bootstrap_host",
-                "bootstrap_port",
-                "bootstrap_room",
-                "bootstrap_pair_key",
-            }
-        ),
+        **req.model_dump(include=_PASSED_ON),
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
