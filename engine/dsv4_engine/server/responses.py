@@ -169,6 +169,7 @@ class ResponseBuilder:
     calls: dict[int, _Open] = field(default_factory=dict)  # chat call index -> its item
     seq: int = 0
     status: str = "in_progress"
+    cut: bool = False  # max_output_tokens ended it
     output_tokens: int = 0
     reasoning_tokens: int = 0
 
@@ -277,7 +278,8 @@ class ResponseBuilder:
         """Close the last item; the closing event with the whole response."""
         events = self._close()
         self.output_tokens = out.completion_tokens
-        self.status = "completed" if out.finish_reason in ("stop", "tool_calls") else "incomplete"
+        self.status = "completed" if out.finish_reason == "stop" else "incomplete"
+        self.cut = out.finish_reason == "length"
         kind = "response.completed" if self.status == "completed" else "response.incomplete"
         return [*events, self._event(kind, response=self.response(self.status))]
 
@@ -306,7 +308,7 @@ class ResponseBuilder:
             "status": status,
             "background": False,
             "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "incomplete_details": {"reason": "max_output_tokens"} if self.cut else None,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "max_tool_calls": None,
