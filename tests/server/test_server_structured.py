@@ -169,14 +169,17 @@ def test_tool_calls_stream_as_deltas(client: openai.OpenAI) -> None:
     )
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
     calls: dict[int, dict[str, str]] = {}
+    pieces: dict[int, int] = {}  # argument deltas per call
     finish = None
     for chunk in client.chat.completions.create(**kw, stream=True):
         for d in chunk.choices[0].delta.tool_calls or []:
             call = calls.setdefault(d.index, {"name": "", "arguments": ""})
             call["name"] += d.function.name or ""
             call["arguments"] += d.function.arguments or ""
+            pieces[d.index] = pieces.get(d.index, 0) + bool(d.function.arguments)
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
+    assert all(n > 1 for n in pieces.values()), pieces  # arguments stream as written, as vLLM's and SGLang's
     assert [calls[i] for i in sorted(calls)] == [
         {"name": c.function.name, "arguments": c.function.arguments} for c in whole
     ]
