@@ -207,6 +207,26 @@ def test_stored_responses_continue_and_can_be_read_back(client: openai.OpenAI, b
         client.responses.retrieve(first.id)
 
 
+def test_the_store_is_bounded_by_count_and_bytes() -> None:
+    from dsv4_engine.server.errors import ApiError
+    from dsv4_engine.server.responses import ResponseStore, _Stored
+
+    store = ResponseStore(limit=2, max_bytes=10**6)
+    for rid in "abc":
+        store.put(rid, _Stored({"id": rid}, []))
+    with pytest.raises(ApiError):
+        store.get("a")  # the oldest went first
+    assert store.get("c").body == {"id": "c"}
+    big = ResponseStore(limit=100, max_bytes=3000)
+    for rid in "abc":
+        big.put(rid, _Stored({"id": rid}, [{"role": "user", "content": "x" * 1200}]))
+    with pytest.raises(ApiError):
+        big.get("a")
+    assert big.get("b") and big.get("c") and big.bytes <= 3000
+    big.delete("b")
+    assert big.bytes == big.get("c").size
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

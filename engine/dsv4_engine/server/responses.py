@@ -14,8 +14,9 @@ event order (`response.created`, `response.in_progress`, then per item `output_i
 `content_part.added`, text deltas, `*.done`, `content_part.done`, `output_item.done`, and
 `response.completed`, or `response.incomplete` when `max_output_tokens` cut it).
 
-Stored responses (`store`, true by default as OpenAI's) are kept in this process's memory, the
-`MAX_STORED` most recent, for `previous_response_id` and `GET`; a restart forgets them.
+Stored responses (`store`, true by default as OpenAI's) are kept in this process's memory, the most
+recent `MAX_STORED` within `MAX_STORED_BYTES`, for `previous_response_id` and `GET`; a restart forgets
+them.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ from dsv4_engine.tokenizer import END_THINK
 
 router = APIRouter()
 
-MAX_STORED = 1024  # responses kept for previous_response_id and GET; the oldest go first
+# Stored responses kept for previous_response_id and GET: at most this many, and at most this much JSON
+# (their bodies and conversations); the oldest go first.
+MAX_STORED = 1024
+MAX_STORED_BYTES = 64 * 2**20
 
 
 # ---- the request as a chat request ---------------------------------------------------------------
@@ -339,13 +343,19 @@ class ResponseBuilder:
 class _Stored:
     body: dict[str, Any]
     conversation: list[dict[str, Any]]  # its input and output as chat messages, without instructions
+    size: int = 0  # bytes of both as JSON
+
+    def __post_init__(self) -> None:
+        self.size = len(json.dumps([self.body, self.conversation], ensure_ascii=False).encode())
 
 
 class ResponseStore:
-    """The `MAX_STORED` most recent stored responses, in this process's memory."""
+    """The most recent stored responses, at most `limit` of them and `max_bytes` of JSON, in this
+    process's memory."""
 
-    def __init__(self, limit: int = MAX_STORED) -> None:
-        self.limit = limit
+    def __init__(self, limit: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES) -> None:
+        self.limit, self.max_bytes = limit, max_bytes
+        self.bytes = 0
         self._kept: OrderedDict[str, _Stored] = OrderedDict()
 
     def get(self, rid: str, param: str | None = None) -> _Stored:
@@ -354,7 +364,7 @@ class ResponseStore:
             raise ApiError(
                 404,
                 f"Response with id '{rid}' not found (responses are kept in memory, the {self.limit} "
-                "most recent, and only with store: true)",
+                f"most recent within {self.max_bytes >> 20} MiB, and only with store: true)",
                 param=param,
                 code="response_not_found",
             )
@@ -362,11 +372,12 @@ class ResponseStore:
 
     def put(self, rid: str, kept: _Stored) -> None:
         self._kept[rid] = kept
-        while len(self._kept) > self.limit:
-            self._kept.popitem(last=False)
+        self.bytes += kept.size
+        while len(self._kept) > self.limit or (self.bytes > self.max_bytes and len(self._kept) > 1):
+            self.bytes -= self._kept.popitem(last=False)[1].size
 
     def delete(self, rid: str) -> None:
-        self.get(rid)
+        self.bytes -= self.get(rid).size
         del self._kept[rid]
 
 
