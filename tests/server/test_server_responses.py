@@ -240,6 +240,7 @@ def test_the_store_is_bounded_by_count_and_bytes() -> None:
         ({"background": True}, "background"),
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [CITY]}, "tool_choice"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ],
 )
 def test_what_is_not_served_is_a_400_naming_it(base: str, body: dict[str, Any], param: str) -> None:

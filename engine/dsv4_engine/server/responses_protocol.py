@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from dsv4_engine.server.errors import UNSUPPORTED_MARK
 from dsv4_engine.server.messages import _NAME, CacheControl
@@ -114,16 +114,28 @@ class ReasoningItem(Strict):
         return "".join(p.text for p in parts)
 
 
+_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
+
+
+class OtherItem(Strict):
+    """Any other item type (`item_reference`, hosted tools' calls, ...): refused, naming its type."""
+
+    model_config = ConfigDict(extra="allow")
+    type: _only(*_ITEMS)
+
+
 def _item_kind(value: Any) -> str:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"item:{kind or 'message'}"  # not an identifier: left out of the errors' `param`
+    kind = kind or "message"
+    return f"item:{kind if kind in _ITEMS else 'other'}"  # not an identifier: left out of `param`
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("item:message")]
     | Annotated[FunctionCallItem, Tag("item:function_call")]
     | Annotated[FunctionCallOutputItem, Tag("item:function_call_output")]
-    | Annotated[ReasoningItem, Tag("item:reasoning")],
+    | Annotated[ReasoningItem, Tag("item:reasoning")]
+    | Annotated[OtherItem, Tag("item:other")],
     Discriminator(_item_kind),
 ]
 
