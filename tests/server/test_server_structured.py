@@ -266,6 +266,9 @@ def test_thinking_then_constrained_output(client: openai.OpenAI) -> None:
     msg = r.choices[0].message
     assert getattr(msg, "reasoning_content", None) and r.choices[0].finish_reason == "tool_calls"
     _check_calls(msg.tool_calls, {"get_weather"})
+    r = client.chat.completions.create(**kw, extra_body={**bias, "guided_regex": r"[a-c]{2}-\d"})
+    msg = r.choices[0].message
+    assert getattr(msg, "reasoning_content", None) and re.fullmatch(r"[a-c]{2}-\d", msg.content), msg
 
 
 def test_reasoning_effort_sets_the_thinking_level(client: openai.OpenAI) -> None:

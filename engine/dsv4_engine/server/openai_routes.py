@@ -26,7 +26,7 @@ from dsv4_engine.server.prompts import encode_chat, encode_prompt
 from dsv4_engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from dsv4_engine.server.state import ServerContext
 from dsv4_engine.server.streaming import merge, sse
-from dsv4_engine.server.structured import chat_grammar, control_tokens
+from dsv4_engine.server.structured import after_thinking, chat_grammar, control_tokens
 
 router = APIRouter()
 
@@ -246,13 +246,16 @@ async def start_chat(call: Call, req: ChatCompletionRequest) -> tuple[Streams, l
     spec = spec_from(ctx, req)
     if req.logprobs:
         spec.logprobs = req.top_logprobs or 0
-    chat = chat_grammar(req, control_tokens(ctx.tokenizer))
+    controls = control_tokens(ctx.tokenizer)
+    chat = chat_grammar(req, controls)  # with thinking on, already after the reasoning
     if chat and spec.grammar:
         raise bad_request(
             "give response_format/tool_choice or a constraint field (json_schema, regex, guided_*, "
             "structured_outputs), not both",
             "response_format",
         )
+    if spec.grammar and req.thinking():  # a constraint field's grammar constrains the answer too
+        spec.grammar = after_thinking(spec.grammar, controls)
     spec.grammar = chat or spec.grammar
     n = req.n or 1
     seqs, params = prepare_sequences(ctx, spec, [ids], req.token_limit(), n, "messages", limit)

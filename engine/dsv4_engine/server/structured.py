@@ -140,9 +140,10 @@ def _schema_grammar(value: dict[str, Any] | str, param: str) -> str:
 
 
 def _regex_grammar(pattern: str) -> str:
+    """The output matches `pattern` whole: llguidance's own Lark for it (it escapes the pattern)."""
     from llguidance import LLMatcher
 
-    return LLMatcher.grammar_from_regex(pattern)
+    return json.loads(LLMatcher.grammar_from_regex(pattern))["grammars"][0]["lark_grammar"] + "\n"
 
 
 def constraint_grammar(fields: Any, prefix: str = "") -> str | None:
