@@ -9,11 +9,8 @@ with `tool_choice` (a grammar), and the agent's turns follow a plan of `tool_cho
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -250,19 +247,6 @@ def test_what_is_not_served_is_a_400_naming_it(base: str, body: dict[str, Any], 
 
 
 # ---- the Agents SDK --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def agent_task() -> Any:
-    """tests/server/agent_task.py, by path (sibling modules are not importable by name)."""
-    spec = importlib.util.spec_from_file_location(
-        "server_agent_task", Path(__file__).with_name("agent_task.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # pydantic looks the module up while it builds the models
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_agents_sdk_runs_a_two_tool_task(base: str, agent_task: Any, stream: bool) -> None:
     result, called = agent_task.run_agent(f"{base}/v1", NAME, stream=stream)
