@@ -1,9 +1,10 @@
 """Turn last-position logits into next tokens, and logits into logprobs.
 
-Sampling runs over the whole batch as tensor ops, in vLLM's order: `min_tokens` masks the stop tokens,
-`logit_bias` is added, then the repetition / frequency / presence penalties (from per-row token counts
-built by one scatter), then the grammar masks of constrained requests (`dsv4_engine.grammar`: rows of
-a boolean mask, only for the rows that have one), then greedy argmax or temperature, `min_p`, top-k / top-p and a seeded draw.
+Sampling runs over the whole batch as tensor ops, in vLLM's order: `min_tokens` and `bad_words` mask
+single tokens, `logit_bias` is added, then the repetition / frequency / presence penalties (from
+per-row token counts built by one scatter), then the allowed-token masks: the grammar masks of
+constrained requests (`dsv4_engine.grammar`) and `allowed_token_ids`, rows of a boolean mask, only for
+the rows that have one; then greedy argmax or temperature, `min_p`, top-k / top-p and a seeded draw.
 Every step is row-wise, so a request gets the same token whatever runs beside it. Python loops only
 over the requests and their own short lists (stop ids, bias entries, token history), never over the
 vocabulary.
@@ -82,7 +83,7 @@ def process_logits(
     logits = logits.float()
     vocab = logits.shape[-1]
     outputs: Sequence[Sequence[int]] = output_ids if output_ids is not None else [()] * len(params)
-    mask_rows: list[int] = []
+    mask_rows: list[int] = []  # (row, token) pairs masked to -inf: min_tokens' stops, bad words
     mask_cols: list[int] = []
     bias_rows: list[int] = []
     bias_cols: list[int] = []
@@ -93,12 +94,17 @@ def process_logits(
             ids = sorted(t for t in stops if t < vocab)  # an id past the vocabulary can never be sampled
             mask_rows += [i] * len(ids)
             mask_cols += ids
+        if p.bad_words_token_ids:
+            ids = sorted(t for t in banned_tokens(p.bad_words_token_ids, outputs[i]) if t < vocab)
+            mask_rows += [i] * len(ids)
+            mask_cols += ids
         if p.logit_bias:
             bias_rows += [i] * len(p.logit_bias)
             bias_cols += list(p.logit_bias)
             bias_vals += list(p.logit_bias.values())
     penalized = [i for i, p in enumerate(params) if p.penalized]
-    if not (mask_rows or bias_rows or penalized or grammar_mask):
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not (mask_rows or bias_rows or penalized or grammar_mask or allowed):
         return logits
     logits = logits.clone()  # the caller's logits stay raw (logprobs are taken from them)
     device = logits.device
@@ -114,10 +120,30 @@ def process_logits(
         prompts = [prompt_ids[i] for i in penalized] if prompt_ids is not None else [()] * len(sub)
         logits[rows] = apply_penalties(logits[rows], sub, prompts, [outputs[i] for i in penalized])
     if grammar_mask:
-        rows = torch.tensor(grammar_mask[0], device=device)
-        allowed = grammar_mask[1].to(device)
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        _keep_only(logits, grammar_mask[0], grammar_mask[1].to(device))
+    if allowed:
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=device)
+        for j, i in enumerate(allowed):
+            ids = [t for t in params[i].allowed_token_ids or () if t < vocab]
+            keep[j, torch.tensor(ids, dtype=torch.long, device=device)] = True
+        _keep_only(logits, allowed, keep)
     return logits
+
+
+def _keep_only(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> None:
+    """In place: rows `rows` of `logits` keep the tokens `allowed` (`[len(rows), V]` bool), -inf else."""
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def banned_tokens(sequences: Sequence[Sequence[int]], output: Sequence[int]) -> set[int]:
+    """The tokens that would complete one of `sequences` after `output` (vLLM's bad-words rule)."""
+    banned = set()
+    for seq in sequences:
+        head = len(seq) - 1
+        if head == 0 or (len(output) >= head and list(output[len(output) - head :]) == list(seq[:head])):
+            banned.add(seq[-1])
+    return banned
 
 
 def token_counts(rows: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:

@@ -33,6 +33,11 @@ class SamplingParams:
     # Constrained decoding: an llguidance grammar (Lark text; dsv4_engine.grammar) every output token
     # must follow; EOS is allowed only where the grammar may end, and forced once it must.
     grammar: str | None = None
+    # vLLM's bad_words, as token sequences: a sequence's last token is masked wherever the output
+    # ends with the rest of it (a one-token sequence: always).
+    bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's allowed_token_ids: every other token is masked.
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -65,6 +70,19 @@ class SamplingParams:
             if any(not math.isfinite(b) for b in self.logit_bias.values()):
                 raise ValueError("logit_bias values must be finite")
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.bad_words_token_ids is not None:
+            if any(
+                not seq or any(not isinstance(t, int) or t < 0 for t in seq)
+                for seq in self.bad_words_token_ids
+            ):
+                raise ValueError("bad_words_token_ids must be non-empty lists of non-negative token ids")
+            self.bad_words_token_ids = [list(seq) for seq in self.bad_words_token_ids]
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids or any(
+                not isinstance(t, int) or t < 0 for t in self.allowed_token_ids
+            ):
+                raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids")
+            self.allowed_token_ids = list(self.allowed_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:

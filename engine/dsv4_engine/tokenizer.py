@@ -35,11 +35,19 @@ TEXT_CONTROL_TOKENS = (THINK, END_THINK, DSML)
 # are written in DSML with their arguments as parameters (server/prompts.py hands `arguments` in as a
 # dict); a `tool` message is a user turn holding `<tool_result>`. The thinking switch is SGLang's
 # `thinking` or vLLM's `enable_thinking` (chat_template_kwargs): true opens `<think>` after the
-# generation prompt, false closes it at once (DeepSeek's non-thinking mode), unset adds neither.
+# generation prompt, false closes it at once (DeepSeek's non-thinking mode), unset adds neither. With
+# thinking on, `reasoning_effort` "max" (DeepSeek-V4's highest level; the server maps OpenAI's efforts
+# onto it) opens the prompt with an instruction to think exhaustively, as DSV4's own encoding does.
+MAX_EFFORT_INSTRUCTION = (
+    "Reasoning effort: maximum. Think the problem through completely before answering: break it into "
+    "parts, test each step against edge cases and alternatives, and write every step down.\n\n"
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- set think = thinking if thinking is defined else enable_thinking if enable_thinking is defined "
     "else none %}"
+    "{%- if think is true and reasoning_effort is defined and reasoning_effort == 'max' %}"
+    "{{ '" + MAX_EFFORT_INSTRUCTION.replace("\n", "\\n") + "' }}{%- endif %}"
     "{%- for message in messages %}{%- if message['role'] == 'system' %}{{ message['content'] }}"
     "{%- endif %}{%- endfor %}"
     "{%- if tools %}"

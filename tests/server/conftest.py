@@ -94,21 +94,28 @@ def settings_factory(tiny_checkpoint: Path) -> Callable[..., Any]:
     return make
 
 
-def _load_fake_engine() -> Any:
-    # importlib import mode: sibling modules are not importable by name, so load the file directly.
+def load_sibling(filename: str) -> Any:
+    """A module of this folder, by path: in importlib import mode sibling modules are not importable
+    by name."""
     spec = importlib.util.spec_from_file_location(
-        "server_fake_engine", Path(__file__).with_name("fake_engine.py")
+        f"server_{Path(filename).stem}", Path(__file__).with_name(filename)
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    sys.modules[spec.name] = module  # dataclasses and pydantic look their module up while classes are built
     spec.loader.exec_module(module)
-    return module.FakeEngine
+    return module
 
 
 @pytest.fixture(scope="session")
 def fake_engine_cls() -> Any:
-    return _load_fake_engine()
+    return load_sibling("fake_engine.py").FakeEngine
+
+
+@pytest.fixture(scope="session")
+def agent_task() -> Any:
+    """agent_task.py: the two-tool task the Agents SDK runs (also loaded by tests/up)."""
+    return load_sibling("agent_task.py")
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,22 @@ def test_sglang_and_vllm_names_are_aliases() -> None:
     }  # fmt: skip
 
 
+def test_parser_and_template_flags_take_sglang_and_vllm_names() -> None:
+    default = parse(["--model", "m"])
+    assert (default.tool_call_parser, default.reasoning_parser, default.chat_template) == (
+        "deepseekv4", "deepseek-v4", None
+    )  # fmt: skip
+    vllm = parse(["--model", "m", "--tool-call-parser", "deepseek_v4", "--reasoning-parser", "deepseek_v4",
+                  "--enable-auto-tool-choice", "--chat-template", "{{ messages }}"])  # fmt: skip
+    assert (vllm.tool_call_parser, vllm.reasoning_parser, vllm.chat_template) == (
+        "deepseek_v4", "deepseek_v4", "{{ messages }}"
+    )  # fmt: skip
+    for flag in ("--tool-call-parser", "--reasoning-parser"):  # another model's parser: refused
+        with pytest.raises(SystemExit) as info:
+            parse(["--model", "m", flag, "hermes"])
+        assert info.value.code == 2
+
+
 def test_new_engine_settings_reach_the_engine() -> None:
     s = parse(["--model", "m", "--max-num-batched-tokens", "4096", "--kv-cache-memory-bytes", "3Gi"])
     assert s.engine_kwargs() == {"max_num_batched_tokens": 4096, "kv_cache_memory_bytes": 3 * 2**30}
@@ -161,6 +177,7 @@ def _bad_config(tmp_path: Path) -> list[str]:
         # One rank until parallelism lands: a size the engine would ignore is refused (issue 17).
         (lambda tmp, ckpt: ["--model", ckpt, "--tp-size", "8"], "--tp-size"),
         (lambda tmp, ckpt: ["--model", ckpt, "--ep-size", "2"], "--ep-size"),
+        (lambda tmp, ckpt: ["--model", ckpt, "--chat-template", str(tmp / "none.jinja")], "--chat-template"),
     ],
 )  # fmt: skip
 def test_serve_refuses_bad_settings_before_binding(

@@ -230,3 +230,23 @@ def test_tokenizer_routes_need_the_api_key(
             assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
             ok = httpx.post(url + path, json=body, headers={"Authorization": "Bearer s3cret"})
             assert ok.status_code == 200, ok.text
+
+
+def test_chat_template_flag_replaces_the_checkpoints(
+    tiny_checkpoint: Any, tokenizer: Any, fake_engine_cls: Any, serve: Any, tmp_path: Any
+) -> None:
+    """`--chat-template FILE` is the template /v1/chat/completions, /v1/responses and /tokenize use."""
+    template = tmp_path / "plain.jinja"
+    template.write_text(
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    )
+    settings = ServerSettings(model=str(tiny_checkpoint), served_model_name=NAME, chat_template=str(template))
+    want = len(tokenizer.encode("[system] Be brief.\n[user] What is a page?\n"))  # BOS from the encoding
+    with serve(create_app(settings, lambda: fake_engine_cls(tokenizer))) as url:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        assert c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1).usage.prompt_tokens == want
+        assert httpx.post(f"{url}/tokenize", json={"messages": CHAT}).json()["count"] == want
+        r = c.responses.create(
+            model=NAME, instructions="Be brief.", input="What is a page?", max_output_tokens=1
+        )
+        assert r.usage.input_tokens == want

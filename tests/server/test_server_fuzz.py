@@ -27,7 +27,7 @@ NAME = "fuzz"
 BATCH = 10
 EXAMPLES = 52  # x BATCH requests
 VOCAB = 512  # the tiny preset's vocabulary
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses")
 # Fields given junk values by the "unsupported" mutation: ones the server refuses unless off, and
 # honoured ones whose bad values must still be a 400 (not `n`: a junk n of 100 would be 100 sequences).
 UNSUPPORTED = (
@@ -110,6 +110,14 @@ def valid_request(draw: st.DrawFn) -> tuple[str, dict[str, Any], int]:
         body: dict[str, Any] = {"sampling_params": params, "stream": stream}
         body.update({"text": draw(small_text)} if draw(st.booleans()) else {"input_ids": draw(token_ids)})
         return path, body, max_tokens
+    if path == "/v1/responses":
+        roles = st.sampled_from(["system", "user", "assistant", "developer"])
+        items = st.lists(
+            st.fixed_dictionaries({"role": roles, "content": small_text}), min_size=1, max_size=3
+        )
+        body = {"model": NAME, "max_output_tokens": max_tokens, "stream": stream, **draw(sampling)}
+        body["input"] = draw(st.one_of(small_text, items))
+        return path, body, max_tokens
     body = {"model": NAME, "max_tokens": max_tokens, "stream": stream, **draw(sampling)}
     if stream and draw(st.booleans()):
         body["stream_options"] = {"include_usage": True}
@@ -181,6 +189,11 @@ async def _send(client: httpx.AsyncClient, base: str, c: Case) -> None:
                     events.append(line[6:])
                     if c.disconnect:
                         return  # leaving the block closes the connection mid-stream
+            if c.path == "/v1/responses":  # no [DONE]: the last event says how it ended
+                last = json.loads(events[-1])["type"]
+                assert last in ("response.completed", "response.incomplete"), (c, events[-3:])
+                assert all('"type":"error"' not in e for e in events), (c, events)
+                return
             assert events[-1] == "[DONE]", (c, events[-3:])
             assert all('"error"' not in e for e in events), (c, events)
             return
@@ -190,7 +203,7 @@ async def _send(client: httpx.AsyncClient, base: str, c: Case) -> None:
         assert r.status_code == 200, (c, r.text)
         body = r.json()
         usage = body["usage"] if "usage" in body else body["meta_info"]
-        assert 1 <= usage["completion_tokens"] <= c.max_tokens
+        assert 1 <= usage.get("completion_tokens", usage.get("output_tokens", 0)) <= c.max_tokens
     elif r.status_code != 200:
         assert r.status_code in (400, 404, 405), (c, r.status_code, r.text)
         assert _error_shaped(r), r.text

@@ -17,6 +17,7 @@ from dsv4_engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from dsv4_engine.server.responses_protocol import OPENAI_RESPONSES_FIELDS, ResponsesRequest
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -192,10 +193,12 @@ def test_every_openai_field_is_declared() -> None:
     # openai-python's own lists of request fields: each must be honoured or refused, never ignored.
     from openai.types import completion_create_params as completion
     from openai.types.chat import completion_create_params as chat
+    from openai.types.responses import response_create_params as responses
 
     for params, ours, model in (
         (completion.CompletionCreateParamsBase, OPENAI_COMPLETION_FIELDS, CompletionRequest),
         (chat.CompletionCreateParamsBase, OPENAI_CHAT_FIELDS, ChatCompletionRequest),
+        (responses.ResponseCreateParamsBase, OPENAI_RESPONSES_FIELDS, ResponsesRequest),
     ):
         assert set(params.__annotations__) | {"stream"} <= ours
         assert ours <= set(model.model_fields), sorted(ours - set(model.model_fields))

@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from dsv4_engine.server import openai_routes, sglang_routes, test_hooks, tokenizer_routes
+from dsv4_engine.server import openai_routes, responses, sglang_routes, test_hooks, tokenizer_routes
 from dsv4_engine.server.args import ServerSettings
 from dsv4_engine.server.errors import install_handlers
 from dsv4_engine.server.generation import GenSpec, Lease, outcomes, sampling_params, start
@@ -224,6 +224,7 @@ def create_app(
     install_handlers(app)
     app.add_middleware(ServingMiddleware, api_key=settings.api_key)
     app.include_router(openai_routes.router)
+    app.include_router(responses.router)
     app.include_router(sglang_routes.router)
     app.include_router(tokenizer_routes.router)
     if test_hooks.enabled():

@@ -19,6 +19,11 @@ from dsv4_engine.options import UNLIMITED_CHUNK, EngineOptions, add_flags, posit
 __all__ = ["API_KEY_ENV", "UNLIMITED_CHUNK", "ServerSettings", "build_parser", "parse"]
 
 API_KEY_ENV = "DSV4_API_KEY"
+# The output parsers DSV4's output needs, under SGLang's name first and vLLM's second: the DSML tool
+# calls (server/tool_parser.py) and the <think> block (server/reasoning.py). Other models' parsers
+# are not served, so their names are refused rather than accepted and ignored.
+TOOL_CALL_PARSERS = ("deepseekv4", "deepseek_v4")
+REASONING_PARSERS = ("deepseek-v4", "deepseek_v4")
 
 
 @dataclass
@@ -45,6 +50,10 @@ class ServerSettings(EngineOptions):
     heartbeat_failures: int = 2
     staging_mib: int = 64
     log_level: str = "info"
+    chat_template: str | None = None  # a template file, or the template itself (`prompts.py`)
+    tool_call_parser: str = TOOL_CALL_PARSERS[0]
+    reasoning_parser: str = REASONING_PARSERS[0]
+    enable_auto_tool_choice: bool = False
     extra_engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -175,6 +184,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="PD: MiB of registered staging memory; a request whose pages are scattered goes packed "
         "through it as one transfer entry instead of one per page run (decode: a span per request "
         "being received; prefill: one write at a time); 0 writes every page directly",
+    )
+    p.add_argument(
+        "--chat-template",
+        help="the chat template (Jinja): a file, or the template text itself, as vLLM's flag; it "
+        "replaces the checkpoint's for /v1/chat/completions, /v1/responses and /tokenize "
+        "(default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=TOOL_CALL_PARSERS[0],
+        help="how tool calls are read from the output: DeepSeek-V4's DSML (SGLang's name, or vLLM's)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=REASONING_PARSERS[0],
+        help="how reasoning is split from the answer: DeepSeek-V4's <think> block (SGLang's name, or "
+        "vLLM's); on whenever a request turns thinking on",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM command lines: tool_choice auto is always served here",
     )
     p.add_argument(
         "--log-level",

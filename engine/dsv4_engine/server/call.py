@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ from dsv4_engine.server.native_protocol import GenerateRequest, GenerateSampling
 from dsv4_engine.server.protocol import SamplingRequest
 from dsv4_engine.server.state import ServerContext
 from dsv4_engine.server.streaming import DONE, merge, sse, sse_response, unless_disconnected
-from dsv4_engine.server.structured import sglang_grammar
+from dsv4_engine.server.structured import constraint_grammar
 from dsv4_engine.server.validation import RequestBody, logit_bias_ids, stop_list
 
 log = logging.getLogger("dsv4.server")
@@ -99,7 +99,7 @@ def gen_spec(
         min_p=fields.min_p or 0.0,
         min_tokens=min_tokens or 0,
         logit_bias=bias,
-        grammar=sglang_grammar(fields.json_schema, fields.regex, prefix),
+        grammar=constraint_grammar(fields, prefix),
     )
 
 
@@ -188,21 +188,31 @@ class Call:
         finally:
             self.lease.close()
 
-    def stream(self, events: AsyncGenerator[bytes, None]) -> StreamingResponse:
-        """`events` as Server-Sent Events, then `[DONE]`. Once the response has started an error is
-        reported in-band (`data: {"error": ...}`, then `[DONE]`); the lease closes however it ends."""
+    def stream(
+        self,
+        events: AsyncGenerator[bytes, None],
+        *,
+        end: bytes = DONE,
+        error: Callable[[ApiError], bytes] = lambda err: sse(err.body()),
+    ) -> StreamingResponse:
+        """`events` as Server-Sent Events, then `end` (`[DONE]`; the Responses API sends nothing).
+        Once the response has started an error is reported in-band (`error(err)`: chat's
+        `data: {"error": ...}`), then `end`; the lease closes however it ends."""
         assert self.lease is not None
-        return sse_response(_framed(events, self.lease), background=BackgroundTask(self.lease.close))
+        body = _framed(events, self.lease, end, error)
+        return sse_response(body, background=BackgroundTask(self.lease.close))
 
 
-async def _framed(events: AsyncGenerator[bytes, None], lease: Lease) -> AsyncIterator[bytes]:
+async def _framed(
+    events: AsyncGenerator[bytes, None], lease: Lease, end: bytes, error: Callable[[ApiError], bytes]
+) -> AsyncIterator[bytes]:
     try:
         async with contextlib.aclosing(events):
             async for event in events:
                 yield event
-        yield DONE
+        yield end
     except ApiError as err:  # the response has started: report in-band, then end the stream
-        yield sse(err.body())
-        yield DONE
+        yield error(err)
+        yield end
     finally:
         lease.close()

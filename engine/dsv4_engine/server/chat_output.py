@@ -25,6 +25,8 @@ class ChatOutput:
             ReasoningSplitter(stream=req.stream_reasoning is not False) if separates_reasoning(req) else None
         )
         self.tools = ToolCallParser() if parses_tools(req) else None
+        # `parallel_tool_calls: false`: one call; the model's further calls are dropped
+        self.max_calls = 1 if req.parallel_tool_calls is False else None
         self.calls: dict[int, dict[str, Any]] = {}
 
     @property
@@ -32,6 +34,8 @@ class ChatOutput:
         return self.reasoning is not None or self.tools is not None
 
     def _fields(self, reasoning: str, content: str, calls: list[CallDelta]) -> dict[str, Any]:
+        if self.max_calls is not None:
+            calls = [c for c in calls if c.index < self.max_calls]
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning_content"] = reasoning

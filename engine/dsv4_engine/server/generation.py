@@ -49,6 +49,9 @@ class GenSpec:
     # Completions' echo with max_tokens 0: the engine generates one token, which nobody sees.
     hide_output: bool = False
     grammar: str | None = None  # llguidance grammar (server/structured.py) the output must follow
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the matched stop string is kept
+    bad_words: list[list[int]] | None = None  # token sequences never generated (vLLM's bad_words)
+    allowed_token_ids: list[int] | None = None  # the only tokens generated (vLLM's)
 
 
 @dataclass
@@ -104,6 +107,8 @@ def sampling_params(
             logprobs=spec.logprobs,
             prompt_logprobs=spec.prompt_logprobs,
             grammar=spec.grammar,
+            bad_words_token_ids=spec.bad_words,
+            allowed_token_ids=spec.allowed_token_ids,
         )
     except ValueError as exc:  # SamplingParams names the field in its message
         raise bad_request(str(exc)) from exc
@@ -244,7 +249,7 @@ async def outcomes(
     bridge = ctx.bridge
     assert bridge is not None
     detok = IncrementalDetokenizer(ctx.tokenizer, skip_special_tokens=spec.skip_special_tokens)
-    stops = StopMatcher(spec.stop)
+    stops = StopMatcher(spec.stop, include=spec.include_stop_str)
     ended = {*spec.stop_token_ids, *(ctx.facts.eos_token_ids if ctx.facts else [])}
     sent: list[str] = []  # exactly what the caller received
     logprobs: list[TokenLogprobs] | None = [] if spec.logprobs is not None else None

@@ -14,9 +14,15 @@ def _text_only(value: Any) -> Any:
     return value
 
 
+# Anthropic-style prompt-caching marks (`{"type": "ephemeral"}`) that LiteLLM and agent frameworks put
+# on messages and parts: accepted and ignored, harmlessly (this engine keeps no prefix cache).
+CacheControl = dict[str, Any] | None
+
+
 class TextPart(Strict):
     type: Annotated[str, BeforeValidator(_text_only)]
     text: str
+    cache_control: CacheControl = None
 
 
 _NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
@@ -69,6 +75,7 @@ class FunctionCall(Strict):
 
 
 class ToolCall(Strict):
+    index: int | None = None  # what a client that joined stream deltas sends back
     id: str
     type: Literal["function"]
     function: FunctionCall
@@ -84,6 +91,9 @@ class ChatMessage(Strict):
     # What the openai SDK's assistant message carries when a client sends it back as it came.
     refusal: off(None) = None
     annotations: off(None, []) = None
+    audio: off(None) = None
+    function_call: off(None) = None  # the deprecated form of tool_calls: only its null
+    cache_control: CacheControl = None
 
     @model_validator(mode="before")
     @classmethod

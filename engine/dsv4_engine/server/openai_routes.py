@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from dsv4_engine.server.call import Call, Streams, gen_spec
 from dsv4_engine.server.chat_output import ChatOutput
 from dsv4_engine.server.errors import bad_request
-from dsv4_engine.server.generation import GenSpec, Outcome, Piece, prepare_sequences
+from dsv4_engine.server.generation import GenSpec, Outcome, Piece, check_token_ids, prepare_sequences
 from dsv4_engine.server.logprobs import (
     CompletionLogprobs,
     chat_content,
@@ -26,7 +26,7 @@ from dsv4_engine.server.prompts import encode_chat, encode_prompt
 from dsv4_engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from dsv4_engine.server.state import ServerContext
 from dsv4_engine.server.streaming import merge, sse
-from dsv4_engine.server.structured import chat_grammar, control_tokens
+from dsv4_engine.server.structured import after_thinking, chat_grammar, control_tokens
 
 router = APIRouter()
 
@@ -37,7 +37,28 @@ def spec_from(ctx: ServerContext, req: SamplingRequest) -> GenSpec:
     if req.seed is not None and req.sampling_seed is not None and req.seed != req.sampling_seed:
         raise bad_request("seed and sampling_seed disagree; give one", "sampling_seed")
     seed = req.seed if req.seed is not None else req.sampling_seed
-    return gen_spec(ctx, req, seed=seed, min_tokens=req.min_tokens)
+    spec = gen_spec(ctx, req, seed=seed, min_tokens=req.min_tokens)
+    # vLLM's extensions that only its bodies (and so the OpenAI ones here) carry
+    spec.include_stop_str = bool(req.include_stop_str_in_output)
+    if req.bad_words:
+        spec.bad_words = bad_word_ids(ctx.tokenizer, req.bad_words)
+    if req.allowed_token_ids is not None:
+        check_token_ids(ctx, req.allowed_token_ids, "allowed_token_ids")
+        spec.allowed_token_ids = list(req.allowed_token_ids)
+    return spec
+
+
+def bad_word_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's rule: each word's tokens as written, and as they are after a space (a word inside a
+    sentence usually starts with one) when that spelling starts with another token."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        if spaced and spaced[0] != plain[0]:
+            out.append(spaced)
+    return out
 
 
 def usage(prompts: list[list[int]], outs: list[Outcome]) -> dict[str, int]:
@@ -216,22 +237,36 @@ async def _stream_completion(
         yield sse({**head, "choices": [], "usage": progress.body()})
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-    call = Call.begin(request, req, "chat")
+async def start_chat(call: Call, req: ChatCompletionRequest) -> tuple[Streams, list[int], GenSpec]:
+    """A chat request's sequences started (n of them): their streams, the prompt's ids, the spec.
+    /v1/responses starts its chat request here too."""
     ctx = call.ctx
-    n = req.n or 1
     ids = await encode_chat(ctx, req)
     limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     spec = spec_from(ctx, req)
     if req.logprobs:
         spec.logprobs = req.top_logprobs or 0
-    chat = chat_grammar(req, control_tokens(ctx.tokenizer))
+    controls = control_tokens(ctx.tokenizer)
+    chat = chat_grammar(req, controls)  # with thinking on, already after the reasoning
     if chat and spec.grammar:
-        raise bad_request("give response_format/tool_choice or json_schema/regex, not both", "json_schema")
+        raise bad_request(
+            "give response_format/tool_choice or a constraint field (json_schema, regex, guided_*, "
+            "structured_outputs), not both",
+            "response_format",
+        )
+    if spec.grammar and req.thinking():  # a constraint field's grammar constrains the answer too
+        spec.grammar = after_thinking(spec.grammar, controls)
     spec.grammar = chat or spec.grammar
+    n = req.n or 1
     seqs, params = prepare_sequences(ctx, spec, [ids], req.token_limit(), n, "messages", limit)
-    streams = call.start(req, spec, seqs, params, n)
+    return call.start(req, spec, seqs, params, n), ids, spec
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    call = Call.begin(request, req, "chat")
+    ctx = call.ctx
+    streams, ids, spec = await start_chat(call, req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if req.stream:

@@ -82,6 +82,13 @@ def check(settings: ServerSettings) -> ServerSettings:
     if settings.num_pages is not None and settings.kv_cache_memory_bytes is not None:
         raise SettingsError("--kv-cache-memory-bytes", "give it or --num-pages, not both")
     device = resolve_device(settings.device)
+    if settings.chat_template is not None:
+        from dsv4_engine.server.prompts import template_text
+
+        try:
+            template_text(settings.chat_template)
+        except ValueError as exc:
+            raise SettingsError("--chat-template", str(exc)) from exc
     from dsv4_engine.engine_config import EngineConfig
 
     asked, _ = options.split(settings.engine_kwargs())

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+from pathlib import Path
 from typing import Any
 
 from dsv4_engine.server.errors import bad_request
@@ -71,6 +73,21 @@ def _arguments(text: str, index: int) -> dict[str, Any]:
     return args
 
 
+@functools.cache
+def template_text(value: str) -> str:
+    """`--chat-template`: a file's text, or the value itself when it is a template (it holds `{{` or
+    `{%`), as vLLM reads its flag; ValueError for anything else. Read once."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{value}: {exc}") from exc
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"{value}: no such file, and not a Jinja template")
+
+
 def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     """OpenAI `tools` as the chat template reads them (HF's convention: a list of dicts)."""
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
@@ -106,6 +123,7 @@ def _render_chat(
     add_generation_prompt: bool | None,
     continue_final_message: bool | None,
     tools: list[dict[str, Any]] | None = None,
+    template: str | None = None,
 ) -> list[int]:
     kwargs = dict(template_kwargs or {})
     clash = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
@@ -125,6 +143,7 @@ def _render_chat(
             return_dict=True,
             # Special tokens typed into messages stay text: users cannot forge turns or EOS.
             sanitize_control_tokens=True,
+            chat_template=template,  # --chat-template's, else (None) the tokenizer's
             **kwargs,
         )
     except Exception as exc:  # jinja raise_exception(), bad kwargs: the request is at fault
@@ -145,7 +164,9 @@ async def encode_messages(
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Messages through the tokenizer's chat template, exactly as /v1/chat/completions feeds them."""
-    if getattr(ctx.tokenizer, "chat_template", None) is None:
+    flag = ctx.settings.chat_template
+    template = template_text(flag) if flag is not None else None
+    if template is None and getattr(ctx.tokenizer, "chat_template", None) is None:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     ids = await asyncio.to_thread(
         _render_chat,
@@ -155,6 +176,7 @@ async def encode_messages(
         add_generation_prompt,
         continue_final_message,
         tools,
+        template,
     )
     if not ids:
         raise bad_request("the chat template produced an empty prompt", "messages")
@@ -165,7 +187,7 @@ async def encode_chat(ctx: ServerContext, req: ChatCompletionRequest) -> list[in
     return await encode_messages(
         ctx,
         req.messages,
-        template_kwargs=req.chat_template_kwargs,
+        template_kwargs=req.template_kwargs(),
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         # tool_choice "none": the model is not told about the tools at all

@@ -12,6 +12,7 @@ from typing import Any, Literal, Self
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dsv4_engine.server.messages import ChatMessage, ResponseFormat, Tool, ToolChoiceFunction, check_continue
+from dsv4_engine.server.reasoning import ReasoningEffort, thinking_kwargs
 from dsv4_engine.server.validation import (
     I64,
     MAX_CHAT_TOP_LOGPROBS,
@@ -55,6 +56,21 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk
 
 
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: one constraint of json / regex / choice / json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    json_object: bool | None = None
+    grammar: off(None) = None
+    structural_tag: off(None) = None
+    whitespace_pattern: off(None) = None
+    disable_fallback: bool | None = None  # one backend here: nothing to fall back from
+    disable_any_whitespace: off(None, True) = None  # JSON is always compact here
+    disable_additional_properties: off(None, False) = None
+
+
 class SamplingRequest(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -91,6 +107,18 @@ class SamplingRequest(RequestBody):
     # SGLang's constraints (server/structured.py): a JSON Schema as a JSON string, or a regex.
     json_schema: str | None = None
     regex: str | None = None
+    # vLLM's: the same constraints under its names (one constraint per request, any spelling), the
+    # stop string kept in the text, words never generated, the only tokens generated.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    structured_outputs: StructuredOutputs | None = None
+    guided_grammar: off(None) = None
+    guided_decoding_backend: off(None) = None
+    guided_whitespace_pattern: off(None) = None
+    include_stop_str_in_output: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
     # Accepted only as "off".
     best_of: off(None, 1) = None
     no_stop_trim: off(None, False) = None
@@ -100,14 +128,26 @@ class SamplingRequest(RequestBody):
     return_hidden_states: off(None, False) = None
     data_parallel_rank: off(None, 0) = None
     service_tier: off(None, "auto", "default") = None
-    store: off(None, False) = None
-    metadata: off(None) = None
-    prompt_cache_key: off(None) = None
+    # Accepted, and change nothing here (docs/server.md): nothing is stored (there is no route that
+    # reads a stored completion back), metadata is the client's own label, and a prompt-cache key
+    # only steers OpenAI's cache routing (this engine keeps no prefix cache across requests).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
 
     _top_k = field_validator("top_k")(classmethod(lambda cls, v: valid_top_k(v)))
     _stop = field_validator("stop")(classmethod(lambda cls, v: valid_stop(v)))
-    _ids = field_validator("stop_token_ids")(classmethod(lambda cls, v: valid_token_ids(v)))
+    _ids = field_validator("stop_token_ids", "allowed_token_ids")(
+        classmethod(lambda cls, v: valid_token_ids(v))
+    )
     _bias = field_validator("logit_bias")(classmethod(lambda cls, v: valid_logit_bias(v)))
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not w.strip() for w in v):
+            raise ValueError("bad words must not be empty")
+        return v
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> Self:
@@ -174,7 +214,8 @@ class ChatCompletionRequest(SamplingRequest):
     modalities: off(None, ["text"]) = None
     audio: off(None) = None
     prediction: off(None) = None
-    reasoning_effort: off(None) = None
+    # DeepSeek-V4's thinking levels (server/reasoning.py): none = off, minimal..high = high, xhigh/max = max
+    reasoning_effort: ReasoningEffort | None = None
     verbosity: off(None) = None
     web_search_options: off(None) = None
     moderation: off(None) = None
@@ -185,6 +226,12 @@ class ChatCompletionRequest(SamplingRequest):
     def _continue_needs_assistant(self) -> Self:
         check_continue(self.messages, self.continue_final_message, self.add_generation_prompt)
         return self
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _effort_agrees_with_thinking(cls, v: str | None, info: ValidationInfo) -> str | None:
+        thinking_kwargs(info.data.get("chat_template_kwargs"), v)
+        return v
 
     @field_validator("tools")
     @classmethod
@@ -205,11 +252,12 @@ class ChatCompletionRequest(SamplingRequest):
         return v
 
     def template_kwargs(self) -> dict[str, Any]:
-        return dict(self.chat_template_kwargs or {})
+        """chat_template_kwargs with `reasoning_effort` applied (server/reasoning.py)."""
+        return thinking_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
     def thinking(self) -> bool:
         """Whether the chat template opens a thinking block (SGLang's `thinking`, vLLM's
-        `enable_thinking`, in chat_template_kwargs)."""
+        `enable_thinking`, in chat_template_kwargs, or a `reasoning_effort` other than none)."""
         kw = self.template_kwargs()
         return bool(kw.get("thinking", kw.get("enable_thinking", False)))
 

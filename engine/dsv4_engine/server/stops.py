@@ -2,7 +2,8 @@
 
 Text arrives in pieces that need not align with a stop string. We emit everything except the longest
 suffix that is a proper prefix of some stop string; when a stop string completes we emit the text
-before its earliest occurrence and report which one matched. The same object serves streaming and
+before its earliest occurrence (or through it, with `include`: vLLM's include_stop_str_in_output) and
+report which one matched. The same object serves streaming and
 non-streaming responses, so both return the same text.
 """
 
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], *, include: bool = False) -> None:
         self._stops = [s for s in stops if s]
+        self._include = include
         self._longest = max((len(s) for s in self._stops), default=0)
         self._held = ""
         self.matched: str | None = None
@@ -37,7 +39,7 @@ class StopMatcher:
         if matched is not None:
             self.matched = matched
             self._held = ""
-            return buf[:cut]
+            return buf[: cut + len(matched)] if self._include else buf[:cut]
         if final:
             self._held = ""
             return buf

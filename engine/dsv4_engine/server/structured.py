@@ -1,12 +1,15 @@
-"""A request's grammar: `response_format` and a forced `tool_choice` (chat), or SGLang's `json_schema`
-and `regex` (every generation endpoint), as llguidance grammar text.
+"""A request's grammar: `response_format` and a forced `tool_choice` (chat), SGLang's `json_schema`
+and `regex` (every generation endpoint), or vLLM's `guided_json` / `guided_regex` / `guided_choice` /
+`structured_outputs` (completions and chat), as llguidance grammar text. One constraint a request.
 
 `json_object` is any JSON object; `json_schema` is its schema (checked as a JSON Schema first, so a
 bad one is a 400 naming `response_format`); `tool_choice` `required` (any of the tools) or a named
 function forces one DSML `<｜DSML｜tool_calls>` block (server/tool_parser.py) whose invokes carry their
 arguments as one JSON object valid against the function's `parameters` (DeepSeek-V4's direct-JSON
 invoke form, which its parsers read beside the parameter-tag form). With thinking on, the grammar
-first closes the thinking block, so the constrained answer is the content, not the reasoning.
+lets the model think first, freely, and constrains what follows `</think>` (vLLM's and SGLang's
+reasoning-aware structured output): the reasoning is any text without `</think>`, the answer is the
+constrained content.
 """
 
 from __future__ import annotations
@@ -99,35 +102,79 @@ def chat_grammar(req: ChatCompletionRequest, controls: Controls) -> str | None:
         _check_schema(schema, param)
         grammar = json_grammar(schema)
     if req.thinking():
-        # `%json` must be a rule's whole body: the old start becomes a rule of its own
-        grammar = f"start: {_lit(END_THINK, controls)} answer\n" + grammar.replace("start: ", "answer: ", 1)
+        grammar = after_thinking(grammar, controls)
     err = check_grammar(grammar)
     if err:
         raise bad_request(f"this schema cannot be enforced: {err}", param)
     return grammar
 
 
-def sglang_grammar(json_schema: str | None, regex: str | None, prefix: str = "") -> str | None:
-    """SGLang's constraint fields: `json_schema` (a JSON Schema as a JSON string) or `regex`."""
-    from llguidance import LLMatcher
+# The reasoning: any text that does not spell `</think>` (the tokens of the text exclude the control
+# token too, which llguidance only matches as `<[id]>`).
+_REASONING = "THOUGHT: /(.|\\n)*/ & ~/(.|\\n)*<\\/think>(.|\\n)*/\n"
 
-    if json_schema is not None and regex is not None:
-        raise bad_request("give one of json_schema and regex", f"{prefix}regex")
-    if json_schema is not None:
-        param = f"{prefix}json_schema"
+
+def after_thinking(grammar: str, controls: Controls) -> str:
+    """`grammar` as the answer after a free reasoning block closed by `</think>` (the chat template
+    already opened it). `%json` must be a rule's whole body: the old start becomes a rule of its own."""
+    answer = grammar.replace("start: ", "answer: ", 1)
+    return f"start: THOUGHT {_lit(END_THINK, controls)} answer\n{_REASONING}{answer}"
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The output is exactly one of `choices` (vLLM's guided_choice)."""
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices) + "\n"
+
+
+def _schema_grammar(value: dict[str, Any] | str, param: str) -> str:
+    """A JSON Schema, as an object or as its JSON text, to a grammar; 400 naming `param` if it is none."""
+    if isinstance(value, str):
         try:
-            schema = json.loads(json_schema)
+            value = json.loads(value)
         except ValueError as exc:
             raise bad_request(f"not JSON: {exc}", param) from exc
-        if not isinstance(schema, dict):
-            raise bad_request("a JSON Schema must be an object", param)
-        _check_schema(schema, param)
-        grammar = json_grammar(schema)
-    elif regex is not None:
-        param = f"{prefix}regex"
-        grammar = LLMatcher.grammar_from_regex(regex)
-    else:
+    if not isinstance(value, dict):
+        raise bad_request("a JSON Schema must be an object", param)
+    _check_schema(value, param)
+    return json_grammar(value)
+
+
+def _regex_grammar(pattern: str) -> str:
+    """The output matches `pattern` whole: llguidance's own Lark for it (it escapes the pattern)."""
+    from llguidance import LLMatcher
+
+    return json.loads(LLMatcher.grammar_from_regex(pattern))["grammars"][0]["lark_grammar"] + "\n"
+
+
+def constraint_grammar(fields: Any, prefix: str = "") -> str | None:
+    """The one output constraint of a request's fields, whichever server's spelling it uses:
+    SGLang's `json_schema` (a JSON Schema as JSON text) and `regex`; on the OpenAI bodies also vLLM's
+    `guided_json`, `guided_regex`, `guided_choice` and `structured_outputs.{json, regex, choice,
+    json_object}`. Two constraints are a 400 naming the second; so is one llguidance refuses."""
+    given: list[tuple[str, Any]] = []
+    for name in ("json_schema", "regex", "guided_json", "guided_regex", "guided_choice"):
+        value = getattr(fields, name, None)
+        if value is not None:
+            given.append((f"{prefix}{name}", value))
+    so = getattr(fields, "structured_outputs", None)
+    if so is not None:
+        for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice)):
+            if value is not None:
+                given.append((f"{prefix}structured_outputs.{name}", value))
+        if so.json_object:
+            given.append((f"{prefix}structured_outputs.json_object", {"type": "object"}))
+    if not given:
         return None
+    if len(given) > 1:
+        raise bad_request(f"give one output constraint, not {given[0][0]} and {given[1][0]}", given[1][0])
+    param, value = given[0]
+    kind = param.rsplit(".", 1)[-1].removeprefix("guided_")
+    if kind in ("json_schema", "json", "json_object"):
+        grammar = _schema_grammar(value, param)
+    elif kind == "regex":
+        grammar = _regex_grammar(value)
+    else:
+        grammar = choice_grammar(value)
     err = check_grammar(grammar)
     if err:
         raise bad_request(f"this constraint cannot be enforced: {err}", param)
