@@ -21,6 +21,9 @@ fi
 # torch, so only the tests install it, never the main command (about 6 GB). Where it cannot be
 # installed, its test fails saying why.
 bash scripts/get-sglang-bench.sh >/dev/null || echo "test.sh: sglang bench_serving not installed (its test will fail)" >&2
+# LiteLLM, a client users put in front of servers, in a venv of its own for the same reason (no release
+# of it fits .venv's pins); tests/server/test_server_litellm.py.
+bash scripts/get-litellm.sh >/dev/null || echo "test.sh: LiteLLM not installed (its test will fail)" >&2
 source .venv/bin/activate
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0 DSV4_REQUIRE_REAL_KUBE=1
 ruff check .

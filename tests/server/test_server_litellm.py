@@ -2,19 +2,17 @@
 engine: `litellm.completion` (streamed and not, a forced tool call) and `litellm.responses` (which for
 the OpenAI provider calls /v1/responses), as a user of LiteLLM would call them.
 
-LiteLLM lives in a virtualenv of its own (`LITELLM`, installed on first use, cached outside the repo
-by version): every LiteLLM release that accepts the `openai` 3 client the project pins requires boto3,
+LiteLLM lives in a virtualenv of its own (scripts/get-litellm.sh, which the test command runs, cached
+outside the repo by version): every LiteLLM release that accepts the `openai` 3 client the project pins requires boto3,
 whose botocore caps python-dateutil below 3, while the `kubernetes` client the operator uses needs
 3 or later; the older releases that do without boto3 cap `openai` below 3. So it cannot share .venv.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ import pytest
 from dsv4_engine.server.app import create_app
 from suite import skips
 
-LITELLM = "litellm==1.110.2"
+ROOT = Path(__file__).resolve().parents[2]
 NAME = "dsv4-tiny"
 WEATHER = {
     "type": "function",
@@ -68,34 +66,13 @@ print(json.dumps(out))
 
 
 def _venv() -> Path:
-    """LiteLLM's venv: installed once per version (a stamp marks a finished install), under a lock."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    where = Path(os.environ.get("DSV4_LITELLM_DIR") or cache / "dsv4" / "litellm" / LITELLM.split("==")[1])
-    stamp = where / ".dsv4-installed"
-    where.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{where}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second test run waits for the first's install
-        if not (stamp.exists() and stamp.read_text().strip() == LITELLM):
-            steps = [[sys.executable, "-m", "venv", "--clear", str(where)]]
-            steps.append(
-                [
-                    str(where / "bin" / "python"),
-                    "-m",
-                    "pip",
-                    "install",
-                    "-q",
-                    "--disable-pip-version-check",
-                    LITELLM,
-                ]
-            )
-            for step in steps:
-                done = subprocess.run(step, capture_output=True, text=True, timeout=1800)
-                if done.returncode != 0:
-                    skips.missing(
-                        f"no LiteLLM venv ({' '.join(step[:4])} failed: {done.stderr.strip()[-300:]})"
-                    )
-            stamp.write_text(LITELLM + "\n")
-    return where / "bin" / "python"
+    """LiteLLM's venv (scripts/get-litellm.sh, run by scripts/test.sh; installed here if absent)."""
+    got = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "get-litellm.sh")], capture_output=True, text=True, timeout=1800
+    )
+    if got.returncode != 0:
+        skips.missing(f"no LiteLLM venv (scripts/get-litellm.sh failed: {got.stderr.strip()[-300:]})")
+    return Path(got.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
