@@ -17,7 +17,7 @@ import yaml
 from dsv4_operator import local as lc
 from dsv4_operator import up
 from dsv4_operator.manifests import render
-from dsv4_operator.plan import ROUTER_COMMAND, SERVE_COMMAND
+from dsv4_operator.plan import ASCEND_SERVE_COMMAND, ROUTER_COMMAND, SERVE_COMMAND
 from dsv4_operator.spec import Dsv4Deployment, parse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,10 @@ def test_local_processes_get_the_pods_arguments(path: Path, api_key: bool) -> No
     assert [s.name for s in lo.servers] == ["prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"]
     for server in lo.servers:
         pod = container(objs, "StatefulSet", server.role)
-        assert pod["command"] == list(SERVE_COMMAND)
+        # On NPU the pod starts through dsv4-ascend (CANN's environment first); locally, dsv4 itself.
+        assert pod["command"] == list(
+            ASCEND_SERVE_COMMAND if dep.spec.engine.device == "npu" else SERVE_COMMAND
+        )
         argv = lc.server_argv(dep, lo, server)
         assert argv[: len(lc.serve_command())] == lc.serve_command()
         mine = argv[len(lc.serve_command()) :]
