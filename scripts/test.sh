@@ -28,4 +28,5 @@ source .venv/bin/activate
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0 DSV4_REQUIRE_REAL_KUBE=1
 ruff check .
 ruff format --check . || { echo "ruff format: run 'ruff format .'"; exit 1; }
-exec python -m pytest -q --durations=25 "$@"
+# Two workers (the machine's two cores): much of the suite waits on servers and API servers it starts.
+exec python -m pytest -q -n 2 --dist loadgroup --durations=25 "$@"

@@ -19,6 +19,26 @@ from suite import skips
 # torch_npu, if ever present in a CPU environment, breaks `import torch` without this.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
+# scripts/test.sh runs the suite on two xdist workers (`--dist loadgroup`): a file's tests stay together
+# on one worker (its module fixtures start once), a tier whose files share a session fixture is one
+# group (tests/cluster: the API server, node agent and chart release; tests/kube: the API server),
+# and the longest group is handed out first so it does not end the run alone.
+SHARED_SESSION_TIERS = ("cluster", "kube")
+FIRST = ("cluster",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def tier(item: pytest.Item) -> str:
+        parts = item.nodeid.split("/")
+        return parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+
+    for item in items:
+        t = tier(item)
+        group = t if t in SHARED_SESSION_TIERS else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: tier(item) not in FIRST)  # stable: the order within a file stays
+
+
 _skipped: dict[str, list[str]] = {}  # reason -> test ids
 _tiers: dict[str, dict[str, int]] = {}  # tests/<tier> -> outcome -> count
 
