@@ -29,4 +29,4 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD=0 DSV4_REQUIRE_REAL_KUBE=1
 ruff check .
 ruff format --check . || { echo "ruff format: run 'ruff format .'"; exit 1; }
 # Two workers (the machine's two cores): much of the suite waits on servers and API servers it starts.
-exec python -m pytest -q -n 2 --dist loadgroup --durations=25 "$@"
+exec python -m pytest -q -n 2 --durations=25 "$@"

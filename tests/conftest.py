@@ -19,24 +19,37 @@ from suite import skips
 # torch_npu, if ever present in a CPU environment, breaks `import torch` without this.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-# scripts/test.sh runs the suite on two xdist workers (`--dist loadgroup`): a file's tests stay together
-# on one worker (its module fixtures start once), a tier whose files share a session fixture is one
-# group (tests/cluster: the API server, node agent and chart release; tests/kube: the API server),
-# and the longest group is handed out first so it does not end the run alone.
+# scripts/test.sh runs the suite on two xdist workers. The unit a worker is handed whole: a file (its
+# module fixtures start once), or a tier whose files share a session fixture (tests/cluster: the API
+# server, node agent and chart release; tests/kube: the API server). The longest unit is collected
+# first so it does not end the run alone. (xdist's own `--dist loadgroup` marks are not honoured
+# under pytest 9: a scheduler of ours, xdist's documented hook, does the grouping.)
 SHARED_SESSION_TIERS = ("cluster", "kube")
 FIRST = ("cluster",)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def tier(item: pytest.Item) -> str:
-        parts = item.nodeid.split("/")
-        return parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+def _tier(nodeid: str) -> str:
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
 
-    for item in items:
-        t = tier(item)
-        group = t if t in SHARED_SESSION_TIERS else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: tier(item) not in FIRST)  # stable: the order within a file stays
+
+def _unit(nodeid: str) -> str:
+    tier = _tier(nodeid)
+    return f"tests/{tier}" if tier in SHARED_SESSION_TIERS else nodeid.split("::")[0]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ByUnit(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: _tier(item.nodeid) not in FIRST)  # stable: the order within a file stays
 
 
 _skipped: dict[str, list[str]] = {}  # reason -> test ids
