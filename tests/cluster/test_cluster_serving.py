@@ -452,12 +452,18 @@ def test_deleting_the_resource_removes_every_process_and_object(
 
 
 def model_processes() -> list[str]:
+    """The model-serving processes of pods: those in a network namespace other than this test's. Other
+    tests (another xdist worker's `dsv4 serve`) run the same model in the host's namespace."""
+    host = os.stat("/proc/self/ns/net").st_ino
     found = []
     for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            in_pod = os.stat(entry / "ns" / "net").st_ino != host
         except OSError:
             continue
-        if entry.name.isdigit() and "/opt/dsv4/models/tiny" in cmd:
+        if in_pod and "/opt/dsv4/models/tiny" in cmd:
             found.append(cmd)
     return found
