@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from dsv4_engine.config import Dsv4Config
+from dsv4_engine.kernels import KernelSet
 from dsv4_engine.model.batch import ForwardBatch, SeqSlice, StepBatch
 from dsv4_engine.model.compressor import Compressor, Indexer
-from dsv4_engine.model.ops import KernelChoice, Linear, Module, RMSNorm, unweighted_rms_norm_
+from dsv4_engine.model.ops import Linear, Module, RMSNorm
 from dsv4_engine.parallel.groups import SINGLE, Parallel, local_o_groups
-from dsv4_engine.rope import RopeTable, rotate_
+from dsv4_engine.rope import RopeTable
 
 # Queries per block: a block of b queries attends to b + window - 1 window keys (those its
 # queries can see) instead of the whole chunk's; blocks run as one batched product. On CPU
@@ -28,18 +29,14 @@ QUERY_BLOCK = 32
 
 
 class GroupedLinear(Linear):
-    """Block-diagonal projection: group g of the input uses rows [g*R, (g+1)*R) of the weight; on CPU
-    as `dsv4::grouped_linear` (a skinny GEMM per group below 32 rows, this bmm from there on)."""
+    """Block-diagonal projection: group g of the input uses rows [g*R, (g+1)*R) of the weight."""
 
     def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
         super().__init__(in_per_group, out_features, bias=False)
         self.groups = groups
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, G, in] -> [T, G*R]
-        if k := self.kernel_for(x, opaque=True, loops=False):
-            return k.grouped_linear(x, self.weight)
-        w = self.weight.view(self.groups, -1, x.shape[-1])  # [G, R, in]
-        return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
+    def forward(self, x: torch.Tensor, kernels: KernelSet) -> torch.Tensor:  # [T, G, in] -> [T, G*R]
+        return kernels.grouped_linear(x, self.weight)
 
 
 class CompressorWithIndexer(Compressor):
@@ -50,7 +47,7 @@ class CompressorWithIndexer(Compressor):
         self.indexer = Indexer(config, rope)
 
 
-class Dsv4Attention(Module, KernelChoice):
+class Dsv4Attention(Module):
     """On tp_size ranks each holds num_attention_heads / tp_size query heads, their sinks and their
     share of the output projections; the latent (one KV head), compressor and indexer are replicated,
     so every rank writes the same state and selects the same compressed rows."""
@@ -94,25 +91,27 @@ class Dsv4Attention(Module, KernelChoice):
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The block's output `[T, hidden]`: the batch's attention (over the caches, or the paged
         decode step), then the grouped output projection; summed over the ranks."""
+        k = batch.kernels
         out = batch.attend(self, x)  # [T, H, D], RoPE undone
-        grouped = self.o_a_proj(out.reshape(len(x), self.o_groups, -1))
-        return self.parallel.all_reduce(self.o_b_proj(grouped))
+        grouped = self.o_a_proj(out.reshape(len(x), self.o_groups, -1), k)
+        return self.parallel.all_reduce(self.o_b_proj(grouped, k))
 
     def extend_attention(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attention `[T, H, D]` of an extend batch (RoPE undone): per request, over its SeqCache."""
+        k = batch.kernels
         cos, sin = batch.memo[id(self.rope)]
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_residual).view(len(x), self.num_heads, self.head_dim)
-        q = rotate_(unweighted_rms_norm_(q, self.eps), cos[:, None], sin[:, None])
-        kv = rotate_(self.kv_norm(self.kv_proj(x)), cos, sin)
+        q_residual = self.q_a_norm(self.q_a_proj(x, k), k)
+        q = self.q_b_proj(q_residual, k).view(len(x), self.num_heads, self.head_dim)
+        q = k.rope(k.head_rms_norm(q, self.eps), cos, sin)
+        kv = k.rope(self.kv_norm(self.kv_proj(x, k), k), cos, sin)
 
         comp_kv = comp_gate = idx_kv = idx_gate = idx_q = idx_w = None
         if self.compressor is not None:
-            comp_kv, comp_gate = self.compressor.project(x)
+            comp_kv, comp_gate = self.compressor.project(x, k)
             indexer = getattr(self.compressor, "indexer", None)
             if indexer is not None:
-                idx_kv, idx_gate = indexer.project(x)
-                idx_q, idx_w = indexer.queries(x, q_residual, cos, sin)
+                idx_kv, idx_gate = indexer.project(x, k)
+                idx_q, idx_w = indexer.queries(x, q_residual, cos, sin, k)
 
         out = q  # a request's output overwrites its queries once they are read
         for seq in batch.seqs:
@@ -120,10 +119,10 @@ class Dsv4Attention(Module, KernelChoice):
             keys = self._window_keys(seq, kv[rows])
             bias = self._window_bias(seq, batch)
             if self.compressor is not None:
-                comp = self.compressor.update(self.layer, seq, comp_kv[rows], comp_gate[rows])
+                comp = self.compressor.update(self.layer, seq, comp_kv[rows], comp_gate[rows], k)
                 if idx_q is not None:
                     indexer = self.compressor.indexer
-                    idx_keys = indexer.update(self.layer, seq, idx_kv[rows], idx_gate[rows])
+                    idx_keys = indexer.update(self.layer, seq, idx_kv[rows], idx_gate[rows], k)
                     comp_bias = indexer.select(idx_q[rows], idx_w[rows], idx_keys, seq)
                 else:
                     comp_bias = _causal_rows_bias(seq, self.ratio, len(comp), batch, x.device)
@@ -131,7 +130,7 @@ class Dsv4Attention(Module, KernelChoice):
                 bias = torch.cat([bias, _blocks(comp_bias.to(bias.dtype), bias.shape[1])], dim=2)
             out[rows] = self._attend(_blocks(q[rows], bias.shape[1]), keys, bias)[: seq.length]
 
-        return rotate_(out, cos[:, None], -sin[:, None])  # undo RoPE carried by V
+        return k.rope(out, cos, sin, inverse=True)  # undo RoPE carried by V
 
     def _window_keys(self, seq: SeqSlice, kv: torch.Tensor) -> torch.Tensor:
         """Window keys per query block, `[nb, b + w - 1, D]` (w: sliding window), as overlapping

@@ -1,14 +1,15 @@
 """What one forward pass runs, and how its modes differ.
 
-`Dsv4Model.forward` is one function for every step, and every module's `forward` runs in each
-(each choosing its own kernel: `model.ops.KernelChoice`). The batch it is given brings the attention:
+`Dsv4Model.forward` is one function for every step, and every module's `forward` runs in each,
+running its ops on the kernel set the batch carries (`kernels.KernelSet`, chosen once per engine; a
+decode batch carries the set's decode variant). The batch also brings the attention:
 - `ForwardBatch` (extend: prefill chunks, any prefix; also the reference decode): new tokens of
   several requests, flattened, each request's state behind its `SeqCache`; its attention is the
   module's per-request code over the caches.
 - `attention.paged_decode.DecodeBatch` (the batched decode step): one token per row, every row from
   the paged pools by static metadata, so it can be compiled or captured; its attention is an
   attention backend's (`attention.paged_decode`), which also owns the pool writes.
-Both answer `attend(attn, x)`, `static`, `check_positions`, `advance` and `shared_pack`, so the
+Both answer `kernels`, `attend(attn, x)`, `check_positions`, `advance` and `shared_pack`, so the
 layers never ask which mode they run in.
 """
 
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from dsv4_engine.kernels import KernelSet, choose_kernels
 from dsv4_engine.model.cache import SeqCache
 
 if TYPE_CHECKING:
@@ -30,9 +32,7 @@ class StepBatch(Protocol):
 
     input_ids: torch.Tensor
     memo: dict
-    # No host reads and fixed shapes (a step that may be compiled or captured): modules take their
-    # static-shape forms (`moe.Experts.static_forms`).
-    static: bool
+    kernels: KernelSet  # the ops every module runs in this step
 
     @property
     def positions(self) -> torch.Tensor: ...
@@ -70,17 +70,19 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     seqs: list[SeqSlice]
+    kernels: KernelSet
     # Per-forward memo (masks shared by all layers), filled by the model.
     memo: dict = field(default_factory=dict)
-    static = False
 
     @classmethod
     def build(
         cls,
         chunks: list[tuple[SeqCache, list[int]]],
         device: torch.device | str = "cpu",
+        kernels: KernelSet | None = None,
     ) -> ForwardBatch:
-        """A batch from (cache, new token ids) pairs; each chunk continues at `cache.num_tokens`."""
+        """A batch from (cache, new token ids) pairs; each chunk continues at `cache.num_tokens`.
+        kernels: the engine's set (default: what an engine on `device` runs)."""
         seqs, ids, positions, offset = [], [], [], 0
         for cache, tokens in chunks:
             start = cache.num_tokens
@@ -92,6 +94,7 @@ class ForwardBatch:
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             seqs=seqs,
+            kernels=kernels or choose_kernels(device),
         )
 
     def check_positions(self, max_positions: int) -> None:

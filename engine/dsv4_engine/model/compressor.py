@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4_engine.config import Dsv4Config
+from dsv4_engine.kernels import KernelSet
+from dsv4_engine.kernels.torch_forms import stable_topk
 from dsv4_engine.model.batch import SeqSlice
-from dsv4_engine.model.ops import Linear, Module, RMSNorm, stable_topk
-from dsv4_engine.rope import RopeTable, rotate_
+from dsv4_engine.model.ops import Linear, Module, RMSNorm
+from dsv4_engine.rope import RopeTable
 
 
 class Compressor(Module):
@@ -36,10 +38,12 @@ class Compressor(Module):
         self.kv_norm = RMSNorm(head_dim, config.rms_norm_eps)
         object.__setattr__(self, "rope", rope)  # shared table, owned by the model's registry
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv_proj(x), self.gate_proj(x)
+    def project(self, x: torch.Tensor, kernels: KernelSet) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv_proj(x, kernels), self.gate_proj(x, kernels)
 
-    def update(self, layer: int, seq: SeqSlice, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def update(
+        self, layer: int, seq: SeqSlice, kv: torch.Tensor, gate: torch.Tensor, kernels: KernelSet
+    ) -> torch.Tensor:
         """Fold this slice's tokens into the cache; return all compressed rows so far `[end // r, D]`."""
         r, cache = self.ratio, seq.cache
         s, e = seq.start, seq.end
@@ -60,9 +64,9 @@ class Compressor(Module):
             blocks_score = all_score[:n_full].view(-1, r, all_score.shape[-1])
             win_kv, win_score = self._windows(blocks_kv, blocks_score, first)
             weights = win_score.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
-            rows = self.kv_norm((win_kv * weights).sum(dim=1))
+            rows = self.kv_norm((win_kv * weights).sum(dim=1), kernels)
             cos, sin = self.rope.lookup(torch.arange(first, last, device=kv.device) * r)
-            cache.write_rows(layer, self.name, first, rotate_(rows, cos, sin))
+            cache.write_rows(layer, self.name, first, kernels.rope(rows, cos, sin))
         if last == 0:
             return kv.new_zeros(0, self.head_dim)
         return cache.read_rows(layer, self.name, last)
@@ -106,11 +110,17 @@ class Indexer(Compressor):
         self.scorer = IndexerScorer(config)
 
     def queries(
-        self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kernels: KernelSet,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated index queries `[T, H, Di]` and head weights `[T, H]` (fp32) for all tokens."""
-        q = self.q_b_proj(q_residual).view(len(q_residual), self.num_heads, self.head_dim)
-        return rotate_(q, cos[:, None], sin[:, None]), self.head_weights(self.scorer.weights_proj(x))
+        q = self.q_b_proj(q_residual, kernels).view(len(q_residual), self.num_heads, self.head_dim)
+        weights = self.head_weights(self.scorer.weights_proj(x, kernels))
+        return kernels.rope(q, cos, sin), weights
 
     def head_weights(self, projected: torch.Tensor) -> torch.Tensor:
         """Per-head weights `[T, H]` (fp32) from `scorer.weights_proj`'s output."""
