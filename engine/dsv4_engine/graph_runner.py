@@ -82,7 +82,7 @@ class DecodeGraphRunner:
         kernels: the engine's kernel set (`kernels.choose_kernels`; default: what an engine on the
         model's device runs); every step runs its decode variant (`KernelSet.for_decode`).
         trim (eager only; default: eager): gather compressed keys from the step's longest context
-        and pool only completed blocks (host reads; `paged_decode_attention`)."""
+        and pool only completed blocks (host reads; `DecodeBatch`)."""
         if mode not in MODES:
             raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
         self.model = model

@@ -24,7 +24,7 @@ from ..kernels import KernelSet
 from ..memory.allocator import DSV4OutCacheLoc, ExtendSpec
 from ..memory.pools import Dsv4TokenToKVPool
 from ..memory.req_to_token import Dsv4ReqPool
-from ..model.batch import ForwardBatch
+from ..model.extend import ForwardBatch
 from .metadata import AttentionMetadata, CompressMetadata, build_extend_metadata, row_slots
 
 

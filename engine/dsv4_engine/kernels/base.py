@@ -114,6 +114,28 @@ class KernelSet(ABC):
     def shared_expert(self, x: Tensor, gate_up: Tensor, down: Tensor, limit: float) -> Tensor:
         """`down @ swiglu(gate_up @ x)` with gate_up `[2I, D]` (gate rows first), down `[D, I]`."""
 
+    # ---- attention of an extend step (one request's chunk at a time, dense keys) -------------------
+    @abstractmethod
+    def block_attention(self, q: Tensor, keys: Tensor, bias: Tensor, sinks: Tensor, scaling: float) -> Tensor:
+        """Softmax over [keys | sink] per head for blocks of queries: q `[nb, b, H, D]`, keys
+        `[nb, K, D]` per block, bias `[nb, b, K]` per query (additive, -inf masks); `[nb*b, H, D]`."""
+
+    @abstractmethod
+    def compress_blocks(
+        self, kv: Tensor, score: Tensor, norm_weight: Tensor, norm_eps: float, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        """Compressed rows `[n, D]` of n complete blocks from their pooling windows kv, score
+        `[n, w, D]`: per-channel softmax of score over the window weighting kv, RMS norm, RoPE at the
+        block's first position (cos/sin rows `[n, R]`)."""
+
+    @abstractmethod
+    def index_bias(
+        self, q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, scale: float, k: int
+    ) -> Tensor:
+        """The lightning indexer's picks for one request's queries as an additive bias `[n, N]` over
+        its compressed rows keys `[N, Di]`: 0 on the top-k of `sum_h weights_h * relu(q_h . key_j) *
+        scale` among rows j < visible `[n]` (ties to the lower row), -inf elsewhere."""
+
     # ---- attention over the paged pools (the decode step) ----------------------------------------
     @abstractmethod
     def masked_put(self, pool: Tensor, slots: Tensor, rows: Tensor, mask: Tensor) -> None:

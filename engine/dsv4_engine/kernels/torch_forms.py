@@ -138,6 +138,43 @@ class TorchKernels(KernelSet):
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
         return F.linear(swiglu(gate, up, limit), down)
 
+    # ---- attention of an extend step -------------------------------------------------------------
+    def block_attention(self, q: Tensor, keys: Tensor, bias: Tensor, sinks: Tensor, scaling: float) -> Tensor:
+        nb, b, heads, dim = q.shape
+        logits = torch.bmm(q.view(nb, b * heads, dim), keys.transpose(1, 2)).view(nb, b, heads, -1)
+        logits = logits.mul_(scaling).add_(bias.to(q.dtype)[:, :, None, :])
+        sink = sinks.view(1, 1, -1, 1).expand(nb, b, -1, 1)
+        logits = torch.cat([logits, sink], dim=-1)  # sinks are fp32: promotes like HF
+        # HF subtracts the row max first; softmax does exactly that itself (same values).
+        probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
+        return torch.bmm(probs.reshape(nb, b * heads, -1), keys).view(nb * b, heads, dim)
+
+    def compress_blocks(
+        self, kv: Tensor, score: Tensor, norm_weight: Tensor, norm_eps: float, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        weights = score.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        return self.rope(self.rms_norm((kv * weights).sum(dim=1), norm_weight, norm_eps), cos, sin)
+
+    def index_bias(
+        self, q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, scale: float, k: int
+    ) -> Tensor:
+        n, num_rows = len(q), len(keys)
+        bias = q.new_full((n, num_rows), NEG_INF, dtype=torch.float32)
+        if num_rows == 0:
+            return bias
+        future = torch.arange(num_rows, device=q.device)[None, :] >= visible[:, None]
+        if num_rows <= k:  # the top-k of all rows is every visible row: no scores needed
+            return bias.masked_fill_(~future, 0.0)
+        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * scale  # [n, H, N]
+        scores = (scores * weights[:, :, None]).sum(dim=1)  # [n, N]
+        scores = scores.masked_fill(future, NEG_INF)
+        picked = stable_topk(scores, min(k, num_rows))
+        valid = picked < visible[:, None]
+        # Invalid picks go to a spare column that is dropped.
+        picked = torch.where(valid, picked, torch.full_like(picked, num_rows))
+        bias = torch.cat([bias, bias[:, :1]], dim=1)
+        return bias.scatter_(1, picked, 0.0)[:, :num_rows]
+
     # ---- attention over the paged pools ----------------------------------------------------------
     def masked_put(self, pool: Tensor, slots: Tensor, rows: Tensor, mask: Tensor) -> None:
         keep = mask[:, None]
