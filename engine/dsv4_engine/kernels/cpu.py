@@ -106,6 +106,8 @@ class _CompilerKeeps:
 
 
 class CpuKernels(_CompilerKeeps, TorchKernels):
+    """Extend steps' CPU kernels."""
+
     name = "cpu"
 
     def __init__(self) -> None:
@@ -237,6 +239,8 @@ class CpuKernels(_CompilerKeeps, TorchKernels):
 
 
 class CpuDecodeKernels(CpuKernels):
+    """The eager decode step's: `CpuKernels` with the per-head query norm as a kernel too."""
+
     def head_rms_norm(self, x: Tensor, eps: float) -> Tensor:
         if x.dtype is _F32 and x.shape[0] <= LOOP_ROWS:
             return self._ops().rms_norm(x, None, eps)
@@ -244,6 +248,8 @@ class CpuDecodeKernels(CpuKernels):
 
 
 class CompiledCpuKernels(_CompilerKeeps, CompiledTorchKernels):
+    """The decode step's under `torch.compile`: the opaque kernels, inductor's torch forms."""
+
     name = "cpu"
 
     def _ops(self) -> Any:

@@ -32,6 +32,8 @@ NEG_INF = float("-inf")
 
 
 class TorchKernels(KernelSet):
+    """Extend steps' torch forms, and every other set's fallback."""
+
     name = "torch"
     # The stable top-k as one `topk` over int64 keys (a compiler's best form) instead of a stable sort.
     topk_by_keys = False
@@ -327,6 +329,8 @@ class TorchKernels(KernelSet):
 
 
 class StaticTorchKernels(TorchKernels):
+    """The batched decode step's torch forms, eager or captured as a device graph."""
+
     def routed_experts(
         self, x: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tensor, limit: float
     ) -> Tensor:
@@ -345,6 +349,8 @@ class StaticTorchKernels(TorchKernels):
 
 
 class CompiledTorchKernels(StaticTorchKernels):
+    """The batched decode step's torch forms under `torch.compile`."""
+
     topk_by_keys = True
 
     def head_rms_norm(self, x: Tensor, eps: float) -> Tensor:
