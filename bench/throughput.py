@@ -125,11 +125,16 @@ def model_flops(model, lengths: list[int]) -> float:
 def prefill_flops_per_token(engine, prompts: list[list[int]]) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dsv4_engine import kernels
+    from dsv4_engine.kernels import TorchKernels
 
     counter = FlopCounterMode(display=False)
-    with counter, kernels.disabled():  # the kernels' inner GEMMs are invisible to the counter
-        run_engine(engine, prompts, 1)
+    runner, kernels = engine.runner, engine.runner.kernels
+    runner.kernels = TorchKernels()  # every aten op: the kernels' inner GEMMs are invisible to the counter
+    try:
+        with counter:
+            run_engine(engine, prompts, 1)  # prefill steps only: they run the runner's set
+    finally:
+        runner.kernels = kernels
     return counter.get_total_flops() / sum(len(p) for p in prompts)
 
 

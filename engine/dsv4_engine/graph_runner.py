@@ -26,14 +26,10 @@ from typing import Literal
 
 import torch
 
-from dsv4_engine.attention.backends import CpuKernelAttention, TorchAttention
 from dsv4_engine.attention.decode_buffers import DEFAULT_BUCKETS, DecodeBuffers
-from dsv4_engine.attention.decode_fill import (
-    DecodeLocs,
-    fill_decode_buffers,
-    fill_decode_buffers_kernel,
-)
-from dsv4_engine.attention.paged_decode import AttentionBackend, DecodeBatch, PoolViews
+from dsv4_engine.attention.decode_fill import DecodeLocs
+from dsv4_engine.attention.paged_decode import DecodeBatch, PoolViews
+from dsv4_engine.kernels import KernelSet, choose_kernels
 from dsv4_engine.memory.allocator import DSV4OutCacheLoc, ExtendSpec
 from dsv4_engine.memory.pools import Dsv4TokenToKVPool
 from dsv4_engine.memory.req_to_token import Dsv4ReqPool
@@ -75,7 +71,7 @@ class DecodeGraphRunner:
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         mode: Mode = "eager",
         skip_guards: bool = True,
-        kernels: bool | None = None,
+        kernels: KernelSet | None = None,
         trim: bool | None = None,
     ) -> None:
         """skip_guards (compiled mode): after a bucket's first call (compiled, or loaded from the
@@ -83,11 +79,10 @@ class DecodeGraphRunner:
         passed it, as a device graph is replayed: every input is a static buffer by construction
         (weights, pools, the bucket's buffers), and dynamo's guards and input gathering cost about a
         fifth of the step.
-        kernels: use the fused `dsv4::` CPU kernels (when built and the model is on CPU): sets the
-        model's choice (`Dsv4ForCausalLM.use_kernels`); default None keeps a choice already fixed
-        and otherwise fixes it to "where they are built"; the attention backend follows it.
+        kernels: the engine's kernel set (`kernels.choose_kernels`; default: what an engine on the
+        model's device runs); every step runs its decode variant (`KernelSet.for_decode`).
         trim (eager only; default: eager): gather compressed keys from the step's longest context
-        and pool only completed blocks (host reads; `paged_decode_attention`)."""
+        and pool only completed blocks (host reads; `DecodeBatch`)."""
         if mode not in MODES:
             raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
         self.model = model
@@ -115,9 +110,8 @@ class DecodeGraphRunner:
         # Eager steps trim compressed-key gathers to the step's longest context (set by `prepare`);
         # compiled and captured steps keep the buffers' full width.
         self.num_pages: dict[int, int] = {}
-        # Decided here, once: traced code must not look at the kernels' build state.
-        self.use_kernels = model.use_kernels(kernels if kernels is not None else model.kernels_fixed())
-        self.backend: AttentionBackend = CpuKernelAttention() if self.use_kernels else TorchAttention()
+        engine_kernels = kernels or choose_kernels(self.device)
+        self.kernels = engine_kernels.for_decode(compiled=mode == "compiled")
         self.trim = mode == "eager" and trim is not False
         self.packs = decode_packs(model)
         self.num_compiles = 0  # compile events (compiled mode) / captures (graph mode)
@@ -221,17 +215,14 @@ class DecodeGraphRunner:
         model, ids, meta, pools = self.model, self.input_ids[bs], self.buffers.buffers(bs), self.pools
         req_pool, page_size = self.req_pool, self.layout.page_size
         req, pos, valid, locs = self.req[bs], self.pos[bs], self.valid[bs], self.locs[bs]
-        trim, packs, backend = self.trim, self.packs, self.backend
-        # The kernel reads its inputs on the host: not inside a compiled step.
-        kernel_fill = self.use_kernels and self.mode != "compiled"
-        fill = fill_decode_buffers_kernel if kernel_fill else fill_decode_buffers
+        trim, packs, kernels = self.trim, self.packs, self.kernels
         full = meta.page_table.shape[1]
 
         def step() -> torch.Tensor:
-            fill(meta, req_pool, page_size, req, pos, valid, locs)
+            kernels.fill_decode(meta, req_pool, page_size, req, pos, valid, locs)
             pages = min(self.num_pages.get(bs, full), full) if trim else None
-            batch = DecodeBatch(ids, meta, pools, backend, num_pages=pages, packs=packs)
-            return model.compute_logits(model(batch))
+            batch = DecodeBatch(ids, meta, pools, kernels, num_pages=pages, packs=packs)
+            return model.compute_logits(model(batch), kernels)
 
         return step
 

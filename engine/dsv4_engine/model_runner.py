@@ -25,6 +25,7 @@ from dsv4_engine.attention import buckets_for
 from dsv4_engine.attention.paged_extend import paged_extend_batch
 from dsv4_engine.grammar import PendingMasks
 from dsv4_engine.graph_runner import DECODE_MODES, DecodeGraphRunner, DecodeMode, default_decode_mode
+from dsv4_engine.kernels import KernelSet, choose_kernels
 from dsv4_engine.memory import Dsv4Allocator, DSV4OutCacheLoc, Dsv4TokenToKVPool, ExtendSpec
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
 from dsv4_engine.sampler import sample, token_logprobs
@@ -106,9 +107,9 @@ class ModelRunner:
         if self.decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
         self.decode_buckets = buckets_for(max_num_seqs)
-        # Whether steps may use the fused CPU kernels (EngineConfig.kernels): the model's modules then
-        # choose them where they serve (model.ops.KernelChoice), in every kind of step.
-        self.kernels = model.use_kernels(kernels)
+        # The ops every step runs (EngineConfig.kernels: the fused CPU kernels where they serve),
+        # chosen once; each step's batch carries it to the modules.
+        self.kernels = choose_kernels(self.device, kernels)
         self._decode_runner: DecodeGraphRunner | None = None  # built on first use
         # Rank 0 of a parallel server: where each step goes before its forward (ranks.py).
         self.followers: Followers | None = None
@@ -160,8 +161,9 @@ class ModelRunner:
     ) -> ForwardBatch:
         """An extend forward's batch over the pools, from the step's out-cache locations."""
         return paged_extend_batch(
-            self.kv_pool, self.allocator.req_pool, specs, bundle, token_ids, self.model.dtype, self.device
-        )
+            self.kv_pool, self.allocator.req_pool, specs, bundle, token_ids, self.model.dtype, self.device,
+            self.kernels,
+        )  # fmt: skip
 
     def decode(self, step: StepPlan) -> torch.Tensor:
         """One decode step for the step's decode rows (each adds its token at `spec.prefix_len`);
@@ -185,7 +187,7 @@ class ModelRunner:
         if self.decode_mode != "reference" and len(specs) <= self.decode_buckets[-1]:
             return self.decode_runner().run(specs, tokens, bundle)
         batch = self._extend_batch(specs, bundle, [[t] for t in tokens])
-        return self.model.compute_logits(self.model(batch))
+        return self.model.compute_logits(self.model(batch), self.kernels)
 
     def _probe(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         import hashlib
@@ -219,11 +221,11 @@ class ModelRunner:
             prefills = out.chunks[n_dec:]
             for c, s in zip(prefills, batch.seqs, strict=True):
                 if c.seq.params.prompt_logprobs is not None:  # only requests that ask pay for every row
-                    _prompt_logprobs(self.model, c, hidden[s.offset : s.offset + s.length])
+                    _prompt_logprobs(self.model, self.kernels, c, hidden[s.offset : s.offset + s.length])
             last = [s.offset + s.length - 1 for c, s in zip(prefills, batch.seqs, strict=True) if c.sample]
             if last:
                 rows = torch.tensor(last, dtype=torch.long, device=self.device)
-                logits.append(self.model.compute_logits(hidden.index_select(0, rows)))
+                logits.append(self.model.compute_logits(hidden.index_select(0, rows), self.kernels))
             sampled_chunks += [c for c in prefills if c.sample]
         if not sampled_chunks:
             return {}
@@ -251,7 +253,9 @@ class ModelRunner:
         return {s.request_id: t for s, t in zip(seqs, tokens, strict=True)}
 
 
-def _prompt_logprobs(model: Dsv4ForCausalLM, chunk: ScheduledChunk, hidden: torch.Tensor) -> None:
+def _prompt_logprobs(
+    model: Dsv4ForCausalLM, kernels: KernelSet, chunk: ScheduledChunk, hidden: torch.Tensor
+) -> None:
     """Append to `seq.prompt_logprobs` the logprob of each prompt token this chunk predicts
     (position p's logits give token p + 1's), from the chunk's hidden rows; positions done before a
     preemption are skipped."""
@@ -262,5 +266,5 @@ def _prompt_logprobs(model: Dsv4ForCausalLM, chunk: ScheduledChunk, hidden: torc
     assert lo == len(seq.prompt_logprobs) or lo >= hi, "prompt chunks arrive in order"
     for a in range(lo, hi, PROMPT_LOGPROB_ROWS):
         b = min(a + PROMPT_LOGPROB_ROWS, hi)
-        logits = model.compute_logits(hidden[a - chunk.start : b - chunk.start])
+        logits = model.compute_logits(hidden[a - chunk.start : b - chunk.start], kernels)
         seq.prompt_logprobs += token_logprobs(logits, prompt[a + 1 : b + 1], [k] * (b - a))

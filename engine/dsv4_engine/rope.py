@@ -14,7 +14,6 @@ moves and casts them, and a captured graph sees stable tensors. The hot path onl
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
@@ -136,12 +135,7 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x
 
 
-def rotate_rows(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, kernels: Any = None
-) -> torch.Tensor:
-    """`rotate` of x `[B, ..., D]` with one cos/sin row `[B, R]` per batch row (a decode step's);
-    inverse undoes it. kernels: as their `rope_rotate` (the caller's `KernelChoice.kernel_for`)."""
-    if kernels is not None:
-        return kernels.rope_rotate(x, cos, sin, inverse)
+def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`rotate` of x `[B, ..., D]` with one cos/sin row `[B, R]` per batch row; inverse undoes it."""
     shape = (cos.shape[0], *([1] * (x.dim() - 2)), cos.shape[-1])
     return rotate(x, cos.view(shape), (-sin if inverse else sin).view(shape))

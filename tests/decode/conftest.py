@@ -3,7 +3,6 @@ the reference SeqCache path, one by the graph runner) that allocate identically.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,17 +27,6 @@ MAX_CTX = 1024
 @pytest.fixture(autouse=True)
 def _one_thread(one_torch_thread: None) -> None:
     """Every test here runs torch on one thread (see dsv4_engine.testing.one_thread)."""
-
-
-@pytest.fixture(autouse=True)
-def _kernel_choice_reset(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A runner built with `kernels=` fixes its model's kernel choice (`Dsv4ForCausalLM.use_kernels`):
-    the session's shared models go back to choosing per call after each test."""
-    yield
-    for name in ("model", "small_model"):
-        shared = request.node.funcargs.get(name)
-        if shared is not None:
-            shared.use_kernels(None)
 
 
 @pytest.fixture(scope="session")

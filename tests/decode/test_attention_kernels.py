@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsv4_engine import kernels
-from dsv4_engine.attention.backends import CpuKernelAttention, TorchAttention
+from dsv4_engine.kernels import CpuKernels, TorchKernels
 
 PAGE = 128
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -48,16 +48,16 @@ def test_paged_attention_equals_torch_form(model, ratio: int) -> None:
     if ratio == 4:  # CSA: the indexer's picks, some at or past `visible`
         rows = torch.randint(0, per_row * pages, (bsz, 12), generator=g)
         rows[2, :4] = torch.tensor([16, 0, 5, 16])  # a repeated pick counts twice in both forms
-    args = (q, swa, swa_slots, comp, page_table, rows, visible, PAGE)
-    want = TorchAttention().paged_attend(attn, *args)
-    got = CpuKernelAttention().paged_attend(attn, *args)
+    params = (attn.ratio, PAGE, attn.sinks, attn.scaling)
+    args = (q, swa, swa_slots, comp, page_table, rows, visible, *params)
+    want = TorchKernels().paged_attention(*args)
+    got = CpuKernels().paged_attention(*args)
     torch.testing.assert_close(got, want, **TOL)
     assert torch.count_nonzero(got[0]) == 0  # nothing to attend but the sink
     if rows is not None:  # -1 (the kernel's "no pick") is skipped like a pick past `visible`
         past = torch.where(rows >= visible[:, None], -1, rows)
         torch.testing.assert_close(
-            CpuKernelAttention().paged_attend(attn, q, swa, swa_slots, comp, page_table, past, visible, PAGE),
-            got,
+            CpuKernels().paged_attention(q, swa, swa_slots, comp, page_table, past, visible, *params), got
         )
 
 
@@ -71,9 +71,19 @@ def test_paged_attention_rejects_other_dtypes_and_missing_visible(model) -> None
         torch.ops.dsv4.paged_attention(
             q.double(), swa, slots, None, table, None, None, 128, PAGE, attn.sinks, 1.0
         )
-    # The kernel backend sends other dtypes to the torch form instead.
-    bf16 = CpuKernelAttention().paged_attend(
-        attn, q.bfloat16(), swa.bfloat16(), slots, None, table, None, None, PAGE
+    # The CPU set sends other dtypes to the torch form instead.
+    bf16 = CpuKernels().paged_attention(
+        q.bfloat16(),
+        swa.bfloat16(),
+        slots,
+        None,
+        table,
+        None,
+        None,
+        attn.ratio,
+        PAGE,
+        attn.sinks,
+        attn.scaling,
     )
     assert bf16.dtype == torch.bfloat16
 
@@ -87,8 +97,9 @@ def test_index_topk_equals_torch_form(model, visible: list[int]) -> None:
     weights = torch.randn(bsz, indexer.num_heads, generator=g)
     keys = torch.randn((bsz * pages + 1) * PAGE // 4, indexer.head_dim, generator=g)
     table, vis = _page_table(bsz, pages, g), torch.tensor(visible)
-    want = TorchAttention().index_topk(indexer, q, weights, keys, table, vis, PAGE)
-    got = CpuKernelAttention().index_topk(indexer, q, weights, keys, table, vis, PAGE)
+    args = (q, weights, keys, table, vis, indexer.ratio, PAGE, indexer.softmax_scale, indexer.topk)
+    want = TorchKernels().index_topk(*args)
+    got = CpuKernels().index_topk(*args)
     assert got.shape == (bsz, k) and got.dtype == torch.long
     for b, n in enumerate(visible):
         picked = [r for r in got[b].tolist() if r >= 0]
@@ -105,8 +116,9 @@ def test_index_topk_ties_go_to_the_lower_row(model) -> None:
     weights = torch.rand(2, indexer.num_heads, generator=g)
     keys = torch.randn(1, indexer.head_dim, generator=g).expand(3 * PAGE // 4, -1).contiguous()
     table, vis = _page_table(2, 1, g), torch.tensor([32, 32])
-    want = TorchAttention().index_topk(indexer, q, weights, keys, table, vis, PAGE)
-    got = CpuKernelAttention().index_topk(indexer, q, weights, keys, table, vis, PAGE)
+    args = (q, weights, keys, table, vis, indexer.ratio, PAGE, indexer.softmax_scale, indexer.topk)
+    want = TorchKernels().index_topk(*args)
+    got = CpuKernels().index_topk(*args)
     assert torch.equal(got, want)
     assert got[0].tolist() == list(range(indexer.topk))
 
@@ -117,14 +129,16 @@ def test_eager_decode_runs_the_attention_kernels(model, make_mem, monkeypatch) -
     from dsv4_engine.graph_runner import DecodeGraphRunner
 
     mem = make_mem()
-    runner = DecodeGraphRunner(model, mem.kv, mem.req_pool, 1024, buckets=(2,), mode="eager", kernels=True)
+    runner = DecodeGraphRunner(
+        model, mem.kv, mem.req_pool, 1024, buckets=(2,), mode="eager", kernels=kernels.choose_kernels("cpu")
+    )
     mem.join(model, "a", list(range(3, 130)))  # past a ratio-4 and a ratio-128 block
     mem.join(model, "b", list(range(3, 40)))
 
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("fell back to the torch form")
 
-    for name in ("compress", "index_topk", "paged_attend"):
-        monkeypatch.setattr(TorchAttention, name, fail)
+    for name in ("compress_paged", "index_topk", "paged_attention"):
+        monkeypatch.setattr(TorchKernels, name, fail)
     logits = mem.decode_batched(runner, ["a", "b"], [5, 6])
     assert logits.shape[0] == 2 and torch.isfinite(logits).all()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dsv4_engine.graph_runner import DecodeGraphRunner
+from dsv4_engine.kernels import choose_kernels
 
 TOL = 1e-5
 POOLS = ("swa_kv", "c4_kv", "c128_kv", "indexer_kv", "c4_state", "c4_index_state", "c128_state")
@@ -33,10 +34,11 @@ STEPS = 100
 def test_batched_decode_equals_reference_over_changing_batches(model, make_mem, fast: bool) -> None:
     ref, bat = make_mem(), make_mem()
     free0 = bat.free_counts()
+    kernels = choose_kernels(model.device, enabled=fast)
     runner = DecodeGraphRunner(
-        model, bat.kv, bat.req_pool, 1024, buckets=(1, 2, 4, 8), mode="eager", kernels=fast, trim=fast
+        model, bat.kv, bat.req_pool, 1024, buckets=(1, 2, 4, 8), mode="eager", kernels=kernels, trim=fast
     )
-    assert runner.use_kernels == runner.trim == fast
+    assert (runner.kernels.name == "cpu") == runner.trim == fast
     ptrs = {k: t.data_ptr() for k, t in runner.static_tensors().items()}
     g = torch.Generator().manual_seed(0)
     next_token: dict[str, int] = {}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dsv4_engine.graph_runner import DecodeGraphRunner
+from dsv4_engine.kernels import choose_kernels
 
 
 def _hooks(model, calls: dict[str, int], scale: dict[str, float]):  # type: ignore[no-untyped-def]
@@ -33,7 +34,13 @@ def test_module_forwards_run_in_prefill_and_both_decode_paths(model, make_mem, k
     scale = {"attn": 1.0, "moe": 1.0}
     ref, bat = make_mem(), make_mem()
     runner = DecodeGraphRunner(
-        model, bat.kv, bat.req_pool, 1024, buckets=(1, 2), mode="eager", kernels=kernels
+        model,
+        bat.kv,
+        bat.req_pool,
+        1024,
+        buckets=(1, 2),
+        mode="eager",
+        kernels=choose_kernels("cpu", kernels),
     )
     handles = _hooks(model, calls, scale)
     try:
@@ -54,7 +61,13 @@ def test_module_forwards_run_in_prefill_and_both_decode_paths(model, make_mem, k
         bat2.join(model, "b", prompt)
         scale["moe"] = 0.5
         runner2 = DecodeGraphRunner(
-            model, bat2.kv, bat2.req_pool, 1024, buckets=(1, 2), mode="eager", kernels=kernels
+            model,
+            bat2.kv,
+            bat2.req_pool,
+            1024,
+            buckets=(1, 2),
+            mode="eager",
+            kernels=choose_kernels("cpu", kernels),
         )
         halved = bat2.decode_batched(runner2, ["b"], token)
         torch.testing.assert_close(halved, ref2.decode_reference(model, ["b"], token), rtol=1e-5, atol=1e-5)

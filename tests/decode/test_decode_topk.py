@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_engine.attention.paged_decode import _stable_topk
+from dsv4_engine.kernels.torch_forms import stable_topk_rows
 
 
 def test_key_topk_equals_stable_sort_with_ties_signed_zeros_and_inf() -> None:
@@ -18,5 +18,5 @@ def test_key_topk_equals_stable_sort_with_ties_signed_zeros_and_inf() -> None:
         s = torch.where(torch.rand(3, n, generator=g) < 0.2, torch.full((), float("-inf")), s)
         k = int(torch.randint(1, n + 1, (1,), generator=g))
         want = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
-        assert torch.equal(_stable_topk(s, k, by_keys=True), want)
-        assert torch.equal(_stable_topk(s, k, by_keys=False), want)
+        assert torch.equal(stable_topk_rows(s, k, by_keys=True), want)
+        assert torch.equal(stable_topk_rows(s, k, by_keys=False), want)

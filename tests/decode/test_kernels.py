@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import os
@@ -14,10 +13,10 @@ import pytest
 import torch
 
 from dsv4_engine import kernels
-from dsv4_engine.attention.backends import CpuKernelAttention, TorchAttention
-from dsv4_engine.model.hyper import HyperConnection, expand
+from dsv4_engine.kernels import CpuKernels, TorchKernels
+from dsv4_engine.kernels.torch_forms import expand
+from dsv4_engine.model.hyper import HyperConnection
 from dsv4_engine.model.moe import Experts, Router
-from dsv4_engine.model.ops import KernelChoice
 from dsv4_engine.model.packed import pack_linears
 from suite import skips
 
@@ -32,26 +31,10 @@ def _built() -> None:
     assert kernels.available(), "the dsv4 CPU kernels did not build (see the log for the compiler error)"
 
 
-@contextlib.contextmanager
-def _kernels(module: torch.nn.Module, on: bool):
-    """`module` (and its submodules) choosing the kernels (`on`) or the torch forms, then as before."""
-    choosers = [m for m in module.modules() if isinstance(m, KernelChoice)]
-    before = [m.use_kernels for m in choosers]
-    for m in choosers:
-        m.use_kernels = on
-    try:
-        yield module
-    finally:
-        for m, b in zip(choosers, before, strict=True):
-            m.use_kernels = b
-
-
 def _both(module: torch.nn.Module, fn):
-    """fn(module) with the kernels, then with the torch forms."""
-    with torch.no_grad(), _kernels(module, True):
-        got = fn(module)
-    with torch.no_grad(), _kernels(module, False):
-        return got, fn(module)
+    """fn(module, kernel set) with the CPU kernels (a decode step's set), then with the torch forms."""
+    with torch.no_grad():
+        return fn(module, CpuKernels().for_decode(compiled=False)), fn(module, TorchKernels())
 
 
 def _randomised(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -71,9 +54,10 @@ def test_hc_pre_equals_hyper_connection(model, dtype: torch.dtype, tokens: int) 
     g = torch.Generator().manual_seed(1)
     streams = torch.randn(tokens, hc.n, model.config.hidden_size, generator=g).to(dtype)
     with torch.no_grad():
-        want = hc.reference(streams)
+        want = hc(streams, TorchKernels())
         got = torch.ops.dsv4.hc_pre(streams, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
-        assert all(torch.equal(a, b) for a, b in zip(hc(streams), got, strict=True))  # forward is the kernel
+        forward = hc(streams, CpuKernels())
+        assert all(torch.equal(a, b) for a, b in zip(forward, got, strict=True))  # forward is the kernel
     for name, w, o in zip(("post", "comb", "collapsed"), want, got, strict=True):
         assert o.dtype == w.dtype and o.shape == w.shape, name
         # Plain loops sum in another order than torch's reductions: fp32 within 1e-5, a bf16 output
@@ -109,9 +93,9 @@ def _kernel(experts: Experts, x: torch.Tensor, ids: torch.Tensor, weights: torch
 def test_moe_experts_equals_the_expert_loop(model, dtype: torch.dtype, tokens: int) -> None:
     experts, x, ids, weights = _routed(model.config, tokens, dtype, seed=tokens)
     with torch.no_grad():
-        want = experts.reference(x, weights, ids)
+        want = experts(x, weights, ids, TorchKernels())
         got = _kernel(experts, x, ids, weights)
-        assert torch.equal(experts(x, weights, ids), got)  # forward is the kernel
+        assert torch.equal(experts(x, weights, ids, CpuKernels()), got)  # forward is the kernel
     assert got.dtype == want.dtype
     counts = torch.bincount(ids.flatten())
     if dtype == torch.float32 and SKINNY and counts[counts > 0].min() < 32:
@@ -131,7 +115,7 @@ def test_moe_experts_row_does_not_depend_on_its_batch(model, hidden: int | None,
     experts, x, ids, weights = _routed(model.config, 41, torch.float32, seed=7, hidden=hidden, inter=inter)
     with torch.no_grad():
         batch = _kernel(experts, x, ids, weights)
-        want = experts.reference(x, weights, ids)
+        want = experts(x, weights, ids, TorchKernels())
         torch.testing.assert_close(batch, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
         for t in (0, 17, 40):
             alone = _kernel(experts, x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
@@ -182,9 +166,9 @@ def test_small_decode_kernels_equal_their_torch_forms(model, dtype: torch.dtype,
 
     streams = torch.randn(rows, hc.n, d, generator=g).to(dtype)
     with torch.no_grad():
-        post, comb, _ = hc.reference(streams.float())
+        post, comb, _ = hc(streams.float(), TorchKernels())
     out = torch.randn(rows, d, generator=g).to(dtype)
-    check(*_both(hc, lambda m: m.expand(post, comb, out, streams)))
+    check(*_both(hc, lambda m, k: k.hc_post(post, comb, out, streams, None)))
 
     width = 2 * model.config.head_dim  # a ratio-4 compressor's state half
     kv = torch.randn(rows, width, generator=g).to(dtype)
@@ -192,24 +176,24 @@ def test_small_decode_kernels_equal_their_torch_forms(model, dtype: torch.dtype,
     loc = torch.randperm(40, generator=g)[:rows] + 1
     pools = [torch.randn(48, width, generator=g) for _ in range(2)]
     pools[1].copy_(pools[0])
-    TorchAttention().masked_put(pools[0], loc, kv, mask)
-    CpuKernelAttention().masked_put(pools[1], loc, kv, mask)
+    TorchKernels().masked_put(pools[0], loc, kv, mask)
+    CpuKernels().masked_put(pools[1], loc, kv, mask)
     assert torch.equal(pools[1], pools[0]) and torch.equal(pools[0][loc[mask]], kv[mask].float())
 
     x = torch.randn(rows, d, generator=g).to(dtype)
     input_ids = torch.randint(0, model.config.vocab_size, (rows,), generator=g)
     for layer in layers[:2]:  # a hash layer, then a score-routed one
         router = copy.deepcopy(layer.mlp.gate).to(dtype)
-        (got_w, got_ids), (want_w, want_ids) = _both(router, lambda m: m(x, input_ids))
+        (got_w, got_ids), (want_w, want_ids) = _both(router, lambda m, k: m(x, input_ids, k))
         assert torch.equal(got_ids, want_ids), router.is_hash
         check(got_w, want_w)
 
     moe = copy.deepcopy(layers[1].mlp).to(dtype)
     pack = pack_linears([moe.shared_experts.gate_proj, moe.shared_experts.up_proj])
-    got, want = _both(moe.shared_experts, lambda m: m(x, pack))
+    got, want = _both(moe.shared_experts, lambda m, k: m(x, k, pack))
     check(got, want)
     with torch.no_grad():
-        torch.testing.assert_close(got, moe.shared_experts(x))
+        torch.testing.assert_close(got, moe.shared_experts(x, TorchKernels()))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
@@ -255,7 +239,7 @@ def test_route_loop(model, is_hash: bool, rows: int) -> None:
     x[0] *= 100.0 / torch.nn.functional.linear(x[0], router.weight).abs().max()
     input_ids = torch.randint(0, model.config.vocab_size, (rows,), generator=g)
     with torch.no_grad():
-        want_w, want_ids = router(x, input_ids)
+        want_w, want_ids = router(x, input_ids, TorchKernels())
         got_w, got_ids = _route(router, x, input_ids)
     assert torch.equal(got_ids, want_ids)
     assert got_w.isfinite().all()
@@ -274,7 +258,7 @@ def test_route_ties_pick_as_torch_topk(model, experts: int) -> None:
         )
     x = torch.randn(2, model.config.hidden_size)
     with torch.no_grad():
-        want_w, want_ids = router(x, torch.zeros(2, dtype=torch.long))
+        want_w, want_ids = router(x, torch.zeros(2, dtype=torch.long), TorchKernels())
         got_w, got_ids = _route(router, x, torch.zeros(2, dtype=torch.long))
     assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
 
@@ -290,11 +274,10 @@ def test_shared_expert_loop(model, rows: int) -> None:
     x = torch.randn(rows, model.config.hidden_size, generator=g)
     pack = pack_linears([shared.gate_proj, shared.up_proj])
     with torch.no_grad():
-        gate, up = shared.gate_proj(x), shared.up_proj(x)
+        gate, up = shared.gate_proj(x, TorchKernels()), shared.up_proj(x, TorchKernels())
         assert (gate > 0.5).any() and (up > 0.5).any() and (up < -0.5).any()
-        with _kernels(shared, True):
-            got = shared(x, pack)
-        _close(got, shared(x))
+        got = shared(x, CpuKernels(), pack)
+        _close(got, shared(x, TorchKernels()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -314,20 +297,32 @@ def test_masked_put_loop(dtype: torch.dtype, slot_dtype: torch.dtype) -> None:
         lambda: wide[:, :8].t().clone().t(),
     ):
         pool, want, got = fresh(), fresh(), fresh()
-        TorchAttention().masked_put(want, slots.long(), rows, mask)
+        TorchKernels().masked_put(want, slots.long(), rows, mask)
         torch.ops.dsv4.masked_put(got, slots, rows, mask)
         assert torch.equal(got, want)
         assert torch.equal(got[[5, 9]], rows[[0, 2]]) and not got[0].any()
         assert torch.equal(got[1:5], pool[1:5]) and torch.equal(got[6:9], pool[6:9])
 
 
-def test_disabled_runs_the_torch_code(model) -> None:
-    """`kernels.disabled()` (FLOP counting in bench/throughput.py) sends per-call users to torch."""
+def test_the_torch_set_runs_the_torch_code(model) -> None:
+    """The torch set (FLOP counting in bench/throughput.py selects it) sends every op to torch, while
+    the CPU set is what a CPU engine chooses by default."""
     experts, x, ids, weights = _routed(model.config, 5, torch.float32, seed=3)
-    with torch.no_grad(), kernels.disabled():
-        assert not kernels.use_for(torch.device("cpu"))
-        assert torch.equal(experts(x, weights, ids), experts.reference(x, weights, ids))
-    assert kernels.use_for(torch.device("cpu"))
+    torch_set = kernels.choose_kernels(torch.device("cpu"), enabled=False)
+    with torch.no_grad():
+        assert not isinstance(torch_set, CpuKernels)
+        assert torch.equal(
+            experts(x, weights, ids, torch_set), _dispatched_by_expert(experts, x, weights, ids)
+        )
+    assert isinstance(kernels.choose_kernels(torch.device("cpu")), CpuKernels)
+
+
+def _dispatched_by_expert(
+    experts: Experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    return TorchKernels().routed_experts(
+        x, experts.gate_up_proj, experts.down_proj, ids, weights, experts.limit
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
@@ -342,18 +337,20 @@ def test_projection_kernels_equal_torch(model, rows: int) -> None:
     )  # any leading dims
     o_a = model.model.layers[0].self_attn.o_a_proj
     grouped = torch.randn(rows, o_a.groups, o_a.in_features, generator=g)
-    _close(*_both(o_a, lambda m: m(grouped)))
+    _close(*_both(o_a, lambda m, k: m(grouped, k)))
 
 
 def test_the_direct_bindings_take_each_ops_schema_arguments_and_results() -> None:
-    """`kernels.bound()` (what eager modules call) binds the same C++ function as each registered op
-    under the schema's argument names, and gives the op's result; under a dispatch mode it is the
-    ops themselves, so the mode sees every call."""
+    """`build.module()` (what the CPU set calls eagerly) binds the same C++ function as each registered
+    op under the schema's argument names, and gives the op's result; under a dispatch mode the set calls
+    the ops themselves, so the mode sees every call."""
     import re
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    module = kernels.bound()
+    from dsv4_engine.kernels import build
+
+    module = build.module()
     names = [n for n in dir(module) if not n.startswith("_")]
     assert {"rms_norm", "linear", "moe_experts", "paged_attention", "compress_decode"} <= set(names)
     for name in names:
@@ -364,11 +361,15 @@ def test_the_direct_bindings_take_each_ops_schema_arguments_and_results() -> Non
     x, w = torch.randn(3, 16), torch.randn(8, 16)
     assert torch.equal(module.linear(x, w), torch.ops.dsv4.linear(x, w))
 
+    seen: set[str] = set()
+
     class Seen(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.add(str(func))
             return func(*args, **(kwargs or {}))
 
     with Seen():
-        assert kernels.bound() is torch.ops.dsv4
-    with kernels.disabled():
-        assert kernels.bound() is None
+        CpuKernels().linear(x, w)
+    assert "dsv4.linear.default" in seen
+    torch_set = kernels.choose_kernels(torch.device("cpu"), enabled=False)
+    assert not isinstance(torch_set, CpuKernels)  # what a caller that must not reach them runs

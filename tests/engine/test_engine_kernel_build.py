@@ -1,6 +1,6 @@
 """The fused CPU kernels' build cache survives a build killed midway: torch's extension builder waits
 for as long as its lock file exists, so a leftover lock (a pod stopped during start-up) must not make
-every later start wait forever (dsv4_engine.kernels._build)."""
+every later start wait forever (dsv4_engine.kernels.build._build)."""
 
 from __future__ import annotations
 

@@ -215,9 +215,9 @@ def test_prompt_logits_only_for_requests_that_ask(llm: LLM) -> None:
     rows: list[int] = []
     compute = model.compute_logits
 
-    def counting(hidden: torch.Tensor) -> torch.Tensor:
+    def counting(hidden: torch.Tensor, *kernels: object) -> torch.Tensor:
         rows.append(hidden.shape[0])
-        return compute(hidden)
+        return compute(hidden, *kernels)
 
     one = SamplingParams(temperature=0.0, max_tokens=1)
     model.compute_logits = counting  # type: ignore[method-assign]

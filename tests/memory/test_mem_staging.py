@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsv4_engine import kernels
+from dsv4_engine.kernels import TorchKernels
 from dsv4_engine.memory.staging import ALIGN, StagingArena, gather_pages, scatter_pages, staged_nbytes
 from suite import skips
 
@@ -35,11 +36,7 @@ def test_gather_packs_buffer_major_in_page_order(use_kernel: bool) -> None:
     buffers, pages = pools(), [5, 2, 7]
     staged = torch.zeros(staged_nbytes(buffers, len(pages)), dtype=torch.uint8)
     ids = torch.tensor(pages, dtype=torch.long)
-    if use_kernel:
-        gather_pages(buffers, ids, staged)
-    else:
-        with kernels.disabled():
-            gather_pages(buffers, ids, staged)
+    gather_pages(buffers, ids, staged, kernels=None if use_kernel else TorchKernels())
     assert staged.numpy().tobytes() == packed_by_hand(buffers, pages)
 
 
@@ -52,11 +49,7 @@ def test_scatter_writes_exactly_the_listed_pages(use_kernel: bool) -> None:
     target = pools(2)
     before = [t.clone() for t in target]
     ids = torch.tensor(pages, dtype=torch.long)
-    if use_kernel:
-        scatter_pages(target, ids, staged)
-    else:
-        with kernels.disabled():
-            scatter_pages(target, ids, staged)
+    scatter_pages(target, ids, staged, kernels=None if use_kernel else TorchKernels())
     for src, dst, old in zip(source, target, before, strict=True):
         for p in range(dst.shape[0]):
             want = src[p] if p in pages else old[p]
@@ -74,8 +67,8 @@ def test_kernel_refuses_what_the_copy_cannot_do() -> None:
         torch.ops.dsv4.gather_pages(buffers, torch.tensor([1, 2, 3]), ok)
     with pytest.raises(RuntimeError, match="int64"):
         torch.ops.dsv4.scatter_pages(buffers, torch.tensor([1, 2], dtype=torch.int32), ok)
-    with pytest.raises(ValueError, match="staged bytes"), kernels.disabled():
-        gather_pages(buffers, torch.tensor([1, 2, 3]), ok)
+    with pytest.raises(ValueError, match="staged bytes"):
+        gather_pages(buffers, torch.tensor([1, 2, 3]), ok, kernels=TorchKernels())
 
 
 def test_arena_spans_are_aligned_first_fit_and_merge_back() -> None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 
 from dsv4_engine.config import Dsv4Config
+from dsv4_engine.kernels import choose_kernels
+from dsv4_engine.kernels.torch_forms import stable_topk
 from dsv4_engine.model.moe import Experts, Router, swiglu
-from dsv4_engine.model.ops import stable_topk
+
+KERNELS = choose_kernels("cpu")  # what an engine with default options runs
 
 
 def test_stable_topk_breaks_ties_by_lower_index() -> None:
@@ -38,7 +41,7 @@ def test_expert_dispatch_equals_per_token_loop(checkpoints) -> None:
             e = int(ids[t, j])
             gate, up = (experts.gate_up_proj[e] @ x[t]).chunk(2)
             want[t] += weights[t, j] * (experts.down_proj[e] @ swiglu(gate, up, cfg.swiglu_limit))
-    assert torch.allclose(experts(x, weights, ids), want, atol=1e-5)
+    assert torch.allclose(experts(x, weights, ids, KERNELS), want, atol=1e-5)
 
 
 def test_correction_bias_steers_selection_not_weights(checkpoints) -> None:
@@ -51,7 +54,7 @@ def test_correction_bias_steers_selection_not_weights(checkpoints) -> None:
     with torch.no_grad():
         router.e_score_correction_bias.zero_()
         router.e_score_correction_bias[3] = 100.0  # forces expert 3 into every selection
-        weights, ids = router(x, torch.zeros(5, dtype=torch.long))
+        weights, ids = router(x, torch.zeros(5, dtype=torch.long), KERNELS)
     assert (ids == 3).any(dim=1).all()
     scores = torch.nn.functional.softplus(x @ router.weight.T).sqrt()
     picked = scores.gather(1, ids)
@@ -68,18 +71,18 @@ def test_a_model_module_calls_forward_directly_yet_runs_every_kind_of_hook() -> 
     norm = RMSNorm(8, 1e-6)
     assert isinstance(norm, Module)
     x = torch.randn(3, 8)
-    assert torch.equal(norm(x), norm.forward(x))
+    assert torch.equal(norm(x, KERNELS), norm.forward(x, KERNELS))
     calls: list[str] = []
-    pre = norm.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    pre = norm.register_forward_pre_hook(lambda m, args: (args[0] * 2, *args[1:]))
     post = norm.register_forward_hook(lambda m, args, out: calls.append("post"))
-    assert torch.equal(norm(x), norm.forward(x * 2)) and calls == ["post"]
+    assert torch.equal(norm(x, KERNELS), norm.forward(x * 2, KERNELS)) and calls == ["post"]
     pre.remove()
     post.remove()
     handle = torch_module.register_module_forward_hook(lambda m, args, out: calls.append("global"))
     try:
-        norm(x)
+        norm(x, KERNELS)
     finally:
         handle.remove()
     assert calls == ["post", "global"]
-    norm(x)
+    norm(x, KERNELS)
     assert calls == ["post", "global"]  # removed hooks no longer run

@@ -20,10 +20,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ..kernels import KernelSet
 from ..memory.allocator import DSV4OutCacheLoc, ExtendSpec
 from ..memory.pools import Dsv4TokenToKVPool
 from ..memory.req_to_token import Dsv4ReqPool
-from ..model.batch import ForwardBatch
+from ..model.extend import ForwardBatch
 from .metadata import AttentionMetadata, CompressMetadata, build_extend_metadata, row_slots
 
 
@@ -183,11 +184,12 @@ def paged_extend_batch(
     token_ids: Sequence[list[int]],
     model_dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    kernels: KernelSet | None = None,
 ) -> ForwardBatch:
     """The extend step's batch over the pools, after `alloc_extend(specs)` returned `bundle`: its
     metadata, and request b's tokens `token_ids[b]` (positions prefix_len .. seq_len - 1) over its
-    `PagedSeqCache`."""
+    `PagedSeqCache`; kernels: the engine's set (default: what an engine on `device` runs)."""
     meta = build_extend_metadata(kv_pool.layout, req_pool, specs, bundle)
     dtypes = state_dtypes(model_dtype)
     caches = [PagedSeqCache(kv_pool, meta, b, dtypes) for b in range(len(specs))]
-    return ForwardBatch.build(list(zip(caches, token_ids, strict=True)), device=device)
+    return ForwardBatch.build(list(zip(caches, token_ids, strict=True)), device=device, kernels=kernels)

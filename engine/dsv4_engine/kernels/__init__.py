@@ -1,242 +1,42 @@
-"""Fused CPU kernels for the decode step: `torch.ops.dsv4.*` (mHC, routed experts, norms, RoPE, the
-decode metadata fill, and attention over the paged pools), and the page staging of PD transfers.
+"""Kernel sets: which implementation of each op a forward runs, chosen once per engine.
 
-Eager torch pays a Python dispatch per op (5-10 us on these machines), and an aten op called from
-C++ still pays its own setup (~5 us); the mHC Sinkhorn alone is ~80 ops per sub-block. So at decode
-sizes the kernels are plain fp32 loops, one dispatch each: `cpu.cpp` for mHC, norms, RoPE, the
-router, experts and projections (a skinny AVX2 GEMM), `attention.cpp` for a layer's compressors,
-indexer top-k and attention, reading the pools in place instead of ~50 gathers, masks and
-concatenations, `pages.cpp` for packing a request's scattered pages into one PD transfer buffer
-(one call per state type instead of an index_select per layer buffer). Other dtypes, and many rows
-where BLAS wins, run the aten ops. It is built with torch's C++ extension tooling on first use into
-`$XDG_CACHE_HOME/dsv4/kernels/<hash>` (the hash covers the sources, torch's version and the compiler
-flags), so a second process only loads the shared library. Each op has a fake (meta) implementation,
-so `torch.compile` keeps it as one opaque call; eager code calls the same functions bound directly
-(`bound()`, `bindings.cpp`), skipping the dispatcher.
+    choose_kernels(device, enabled)      the engine's set (ModelRunner, from EngineConfig.kernels)
+          │                               CPU + enabled + built: CpuKernels; else TorchKernels
+          ├─ extend steps                 ForwardBatch(kernels=set)
+          └─ set.for_decode(compiled)     the batched decode step's variant: DecodeBatch(kernels=...)
+    every module's forward               batch.kernels.<op>(tensors, its own parameters)
 
-Only CPU tensors use them (NPU and CUDA have their own fused kernels behind the device layer); with
-`DSV4_KERNELS=0`, or when no C++ compiler is present, `available()` is False and callers run the
-torch code the kernels mirror.
+`base.KernelSet` lists the ops. `torch_forms.TorchKernels` is the reference torch code (what HF parity
+is tested on, and every other set's fallback); `cpu.CpuKernels` the fused C++ kernels
+(`build.available()`: built once a process on first use, never with `DSV4_KERNELS=0`). An NPU set
+(issue 39) subclasses `TorchKernels` with torch_npu's ops and is chosen here for `npu` devices.
+Tools that must see every aten op (FLOP counting) run the torch set.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import logging
-import os
-import shutil
-import sys
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
 import torch
-from torch.compiler import is_compiling
 
-log = logging.getLogger(__name__)
+from dsv4_engine.kernels.base import KernelSet
+from dsv4_engine.kernels.build import KERNELS_ENV, available, cache_dir
+from dsv4_engine.kernels.cpu import CpuKernels
+from dsv4_engine.kernels.torch_forms import TorchKernels
 
-# bindings.cpp includes the other three: one translation unit, the ops and their direct bindings.
-SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("bindings.cpp", "cpu.cpp", "attention.cpp", "pages.cpp")
-)
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("rows.h", "simd.h"))
-CFLAGS = ("-O3",)
-KERNELS_ENV = "DSV4_KERNELS"  # "0": never build or use them (also the default of EngineConfig.kernels)
-_state: dict[str, bool] = {}
-_bound: list[Any] = []  # the built module (its direct bindings), once loaded
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(CFLAGS).encode())
-    return Path(base) / "dsv4" / "kernels" / key.hexdigest()[:16]
+__all__ = [
+    "KERNELS_ENV",
+    "CpuKernels",
+    "KernelSet",
+    "TorchKernels",
+    "available",
+    "cache_dir",
+    "choose_kernels",
+]
 
 
-def _build() -> None:
-    from torch.utils import cpp_extension
-
-    if shutil.which("ninja") is None:  # pip's ninja sits beside this interpreter
-        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    out = cache_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    # One build at a time, under a lock the kernel drops when its holder dies. torch's own lock is a
-    # file it waits on while it exists: a build killed midway (a pod stopped during start-up) leaves
-    # it behind, and every later start would wait forever. Under our lock nobody else is building,
-    # so a torch lock found here is such a leftover.
-    with open(out / "build.flock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        (out / "lock").unlink(missing_ok=True)
-        module = cpp_extension.load(
-            name="dsv4_cpu_kernels",
-            sources=[str(_staged_sources(out))],
-            build_directory=str(out),
-            extra_cflags=list(CFLAGS),
-            is_python_module=True,
-            verbose=False,
-        )
-    _register_fakes()
-    _bound[:] = [module]
-
-
-def _staged_sources(out: Path) -> Path:
-    """The sources, copied into the cache folder once: the build file names its sources by path, so
-    two installs of the same sources (two checkouts, a venv and a checkout) building from their own
-    paths would each rebuild the other's library in the shared folder; from one copy they share it.
-    Written only when the content differs (a rewrite would look newer to the build)."""
-    src = out / "src"
-    src.mkdir(exist_ok=True)
-    for path in SOURCES + HEADERS:
-        data, dst = path.read_bytes(), src / path.name
-        if not dst.is_file() or dst.read_bytes() != data:
-            tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
-            tmp.write_bytes(data)
-            os.replace(tmp, dst)
-    return src / SOURCES[0].name
-
-
-def _register_fakes() -> None:
-    @torch.library.register_fake("dsv4::hc_pre")
-    def _(streams, fn, base, scale, iters, hc_eps, norm_eps):  # type: ignore[no-untyped-def]
-        t, n = streams.shape[0], streams.shape[1]
-        f32 = torch.float32
-        post = streams.new_empty(t, n, dtype=f32)
-        comb = streams.new_empty(t, n, n, dtype=f32)
-        return post, comb, streams.new_empty(t, streams.shape[2])
-
-    @torch.library.register_fake("dsv4::fill_decode")
-    def _(
-        req,
-        pos,
-        valid,
-        swa,
-        tokens,
-        c4s,
-        c128s,
-        page_size,
-        swa_loc,
-        c4_loc,
-        c4s_loc,
-        c128_loc,
-        c128s_loc,
-        main,
-        c4,
-        c128,
-    ):  # type: ignore[no-untyped-def]
-        return None
-
-    @torch.library.register_fake("dsv4::sink_attention")
-    def _(q, keys, bias, sinks, scaling):  # type: ignore[no-untyped-def]
-        return q.new_empty(q.shape[0], q.shape[1], keys.shape[2], dtype=keys.dtype)
-
-    @torch.library.register_fake("dsv4::rms_norm")
-    def _(x, weight, eps):  # type: ignore[no-untyped-def]
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("dsv4::rope_rotate")
-    def _(x, cos, sin, inverse):  # type: ignore[no-untyped-def]
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("dsv4::moe_experts")
-    def _(x, gate_up, down, ids, weights, limit):  # type: ignore[no-untyped-def]
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("dsv4::hc_post")
-    def _(post, comb, out, streams):  # type: ignore[no-untyped-def]
-        return torch.empty_like(streams)
-
-    @torch.library.register_fake("dsv4::masked_put")
-    def _(pool, slots, rows, mask):  # type: ignore[no-untyped-def]
-        return None
-
-    @torch.library.register_fake("dsv4::route")
-    def _(x, input_ids, weight, table, is_hash, top_k, scaling):  # type: ignore[no-untyped-def]
-        return x.new_empty(x.shape[0], top_k), x.new_empty(x.shape[0], top_k, dtype=torch.long)
-
-    @torch.library.register_fake("dsv4::compress_decode")
-    def _(kv, gate, pb, pos, wmask, wloc, start, slots, bmask, bloc, bpos, cos, sin, w, eps, state, rows):  # type: ignore[no-untyped-def]
-        return None
-
-    @torch.library.register_fake("dsv4::index_topk")
-    def _(q, weights, keys, page_table, visible, ratio, page_size, scale, k):  # type: ignore[no-untyped-def]
-        return q.new_empty(q.shape[0], k, dtype=torch.long)
-
-    @torch.library.register_fake("dsv4::gather_pages")
-    def _(buffers, pages, staged):  # type: ignore[no-untyped-def]
-        return None
-
-    @torch.library.register_fake("dsv4::scatter_pages")
-    def _(buffers, pages, staged):  # type: ignore[no-untyped-def]
-        return None
-
-    @torch.library.register_fake("dsv4::paged_attention")
-    def _(q, swa, swa_slots, comp, page_table, rows, visible, ratio, page_size, sinks, scaling):  # type: ignore[no-untyped-def]
-        return torch.empty_like(q)
-
-    @torch.library.register_fake("dsv4::linear")
-    def _(x, weight):  # type: ignore[no-untyped-def]
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-    @torch.library.register_fake("dsv4::grouped_linear")
-    def _(x, weight):  # type: ignore[no-untyped-def]
-        return x.new_empty(x.shape[0], weight.shape[0])
-
-    @torch.library.register_fake("dsv4::shared_expert")
-    def _(x, gate_up, down, limit):  # type: ignore[no-untyped-def]
-        return x.new_empty(x.shape[0], down.shape[0])
-
-
-def available() -> bool:
-    """True once the kernels are loaded; builds them on the first call (a minute, then cached)."""
-    if "ok" not in _state:
-        if os.environ.get(KERNELS_ENV, "1") == "0":
-            _state["ok"] = False
-        else:
-            try:
-                _build()
-                _state["ok"] = True
-            except Exception as exc:  # no compiler, no headers: the torch code still runs
-                log.warning("fused CPU kernels unavailable, using torch ops: %s", exc)
-                _state["ok"] = False
-    return _state["ok"]
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Modules (`model.ops.KernelChoice`) run their torch code inside: for
-    tools that must see every aten op, such as FLOP counting (a kernel's inner GEMMs are invisible)."""
-    before = _state.get("ok")
-    _state["ok"] = False
-    try:
-        yield
-    finally:
-        if before is None:
-            _state.pop("ok")
-        else:
-            _state["ok"] = before
-
-
-def bound() -> Any:
-    """The per-layer kernels bound directly (`bindings.cpp`: `bound().rms_norm(x, weight, eps)`, the
-    arguments of `torch.ops.dsv4.rms_norm`), for eager calls: ~1 us a call less than through the
-    dispatcher. Under a `TorchDispatchMode` (a FLOP counter, a debugging mode) `torch.ops.dsv4`
-    instead, so the mode sees every call. None where the kernels are not built or inside
-    `disabled()`. A compiler must see `torch.ops.dsv4` (`ops()`)."""
-    if not (_bound and _state.get("ok")):
-        return None
-    return torch.ops.dsv4 if torch._C._len_torch_dispatch_stack() else _bound[0]
-
-
-def ops() -> Any:
-    """The kernels to call from code that may be compiled: `torch.ops.dsv4` under a compiler (their
-    fake implementations keep them opaque there), else `bound()`. None: not built, or `disabled()`."""
-    if is_compiling():
-        return torch.ops.dsv4
-    return bound()
-
-
-def use_for(device: torch.device) -> bool:
-    """Whether the kernels serve this device (CPU only; built on the first call)."""
-    return device.type == "cpu" and available()
+def choose_kernels(device: torch.device | str, enabled: bool = True) -> KernelSet:
+    """The kernel set for a model on `device`: the fused CPU kernels on CPU where `enabled` (an
+    engine's `kernels` option; default: what an engine with default options runs) and they build,
+    else the torch forms."""
+    if enabled and torch.device(device).type == "cpu" and available():
+        return CpuKernels()
+    return TorchKernels()

@@ -1,10 +1,10 @@
 // Decode attention over the paged pools as plain loops, registered as `dsv4::*` beside cpu.cpp's.
 //
-// The torch form of a decode layer's attention (attention/paged_decode.py: compress_decode,
-// index_topk, paged_attend) gathers keys and state rows into temporaries, masks, concatenates and
+// The torch form of a decode layer's attention (kernels/torch_forms.py, TorchKernels: compress_paged,
+// index_topk, paged_attention) gathers keys and state rows into temporaries, masks, concatenates and
 // sorts: ~50 small ops a layer, each ~5-20 us of dispatch on a CPU whatever its size. These kernels
-// read the pools in place through the step's slots, one call per concern, fp32 only (CpuKernelAttention
-// in attention/backends.py falls back to the torch form for other dtypes). Each is tested against its
+// read the pools in place through the step's slots, one call per concern, fp32 only (the CPU kernel
+// set, kernels/cpu.py, falls back to the torch form for other dtypes). Each is tested against its
 // torch form.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -142,7 +142,7 @@ struct RowSlots {
   int64_t at(int64_t b, int64_t row) const { return table.at(b, row / per_page) * per_page + row % per_page; }
 };
 
-// paged_decode.compress_decode: advance one compressor by the decode token of each row. The token's state row
+// TorchKernels.compress_paged: advance one compressor by the decode token of each row. The token's state row
 // [kv | gate + position_bias[pos % r]] goes to `write_loc` where `write_mask` (else the sentinel,
 // kv 0 / score -inf, to slot 0); where `block_mask`, the window of coff*r state rows (the token's own
 // in its column) is softmax-pooled per channel, RMS-normed, RoPE'd at the block's position and
@@ -209,7 +209,7 @@ void compress_decode(const at::Tensor& kv, const at::Tensor& gate, const at::Ten
   }
 }
 
-// paged_decode.index_topk: per row, the top-k compressed rows by sum_h w_h * relu(q_h . key_j) * scale
+// TorchKernels.index_topk: per row, the top-k compressed rows by sum_h w_h * relu(q_h . key_j) * scale
 // over rows j < visible, ties to the lower row; every visible row when there are at most k. Rows
 // [B, k] int64, -1 where fewer than k are visible.
 at::Tensor index_topk(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& keys,
@@ -251,7 +251,7 @@ at::Tensor index_topk(const at::Tensor& q, const at::Tensor& weights, const at::
   return picked;
 }
 
-// paged_decode.paged_attend: per row and head, softmax over [window | compressed | sink] of q . key *
+// TorchKernels.paged_attention: per row and head, softmax over [window | compressed | sink] of q . key *
 // scaling, and the probability-weighted sum of the keys (K = V). Window keys are `swa[swa_slots]`
 // (-1 masked); compressed keys are rows `comp_rows` (or 0..visible-1 when absent) of `comp`, through
 // the page table; rows outside [0, visible) are ignored.

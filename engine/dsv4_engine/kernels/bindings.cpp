@@ -1,5 +1,6 @@
 // The kernels' one translation unit: the three sources, their `torch.ops.dsv4` registrations, and the
-// same per-layer functions bound directly for eager calls (`dsv4_engine.kernels.bound`).
+// same per-layer functions bound directly for eager calls (`kernels.build.module()`, which the CPU
+// kernel set calls).
 //
 // Why both: an op called through `torch.ops` pays the dispatcher's boxed call (~1.5-2 us from Python
 // here) where a pybind call pays ~0.5-1 us, and an eager decode step calls these a hundred times;

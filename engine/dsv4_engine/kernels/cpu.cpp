@@ -2,8 +2,8 @@
 //
 // Eager torch pays a Python dispatch (~5-10 us here) per op; the mHC Sinkhorn alone is ~80 ops and
 // the per-expert MoE loop ~10 ops per expert in use. These kernels run the same aten sequences from
-// C++ (one Python dispatch each) and the 4x4 Sinkhorn as plain loops. Each mirrors a torch function
-// in dsv4_engine.model (named at each kernel) and is tested against it.
+// C++ (one Python dispatch each) and the 4x4 Sinkhorn as plain loops. Each mirrors an op of the torch
+// kernel set (dsv4_engine/kernels/torch_forms.py, named at each kernel) and is tested against it.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -24,7 +24,7 @@
 
 namespace {
 
-// Sinkhorn-Knopp, as HyperConnection.forward: columns, then (rows, columns) iters - 1 times, each
+// Sinkhorn-Knopp, as TorchKernels.hc_pre: columns, then (rows, columns) iters - 1 times, each
 // dividing by (sum + eps). It runs on a block of `b` rows of n x n matrices stored entry-major
 // (`c[(i * n + j) * b + r]` is entry (i, j) of row r), so every loop runs across rows and vectorises.
 void sinkhorn_block(float* c, int64_t n, int64_t b, int64_t iters, float eps, float* sums) {
@@ -51,7 +51,7 @@ void sinkhorn_block(float* c, int64_t n, int64_t b, int64_t iters, float eps, fl
   }
 }
 
-// HyperConnection.forward: (post [T, n], comb [T, n, n], collapsed [T, D]) for streams [T, n, D],
+// TorchKernels.hc_pre: (post [T, n], comb [T, n, n], collapsed [T, D]) for streams [T, n, D],
 // from the map's output `mixes` [T, (2 + n) * n]; rows in blocks of 64 (see sinkhorn_block).
 template <typename T>
 void hc_rows(const T* streams, const float* mixes, const float* base, const float* scale, int64_t t,
@@ -214,7 +214,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(
   auto comb = at::empty({t, n, n}, sc.options().dtype(at::kFloat));
   auto collapsed = at::empty({t, d}, sc.options());
   if (sc.scalar_type() == at::kFloat && t <= kHcLoopRows) {
-    // hyper.stream_mixes for a few fp32 rows: the dot products, then each row times its RMS scale.
+    // torch_forms.stream_mixes for a few fp32 rows: the dot products, then each row times its RMS scale.
     auto w = f32c(fn);
     const float* sp = sc.data_ptr<float>();
     std::vector<float> mixes(t * width);
@@ -233,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(
   }
   auto flat = sc.view({t, n * d}).to(at::kFloat);
   auto w = fn.to(at::kFloat);
-  at::Tensor mixes;  // hyper.stream_mixes: fp32 scales the map's output, other dtypes its input
+  at::Tensor mixes;  // torch_forms.stream_mixes: fp32 scales the map's output, other dtypes its input
   if (sc.scalar_type() == at::kFloat) {
     auto sum_sq = at::linalg_vector_norm(flat, 2, {-1}, true).square_();
     mixes = at::mm(flat, w.t()).mul_(at::rsqrt(sum_sq.div_(n * d).add_(norm_eps)));
@@ -276,7 +276,7 @@ void hc_post_row(const float* c, const float* st, const float* o, float pk, int6
   for (int64_t i = 0; i < d; ++i) y[i] = pk * o[i] + y[i];
 }
 
-// model.hyper.expand: new streams `post_k * out + sum_j comb[j, k] * streams_j`. fp32 [T, n, D] as
+// torch_forms.expand (TorchKernels.hc_post): new streams `post_k * out + sum_j comb[j, k] * streams_j`. fp32 [T, n, D] as
 // loops (the comb sum first, then the spread added, as baddbmm_ onto the spread); otherwise the aten
 // ops (fp32: the spread, then one in-place baddbmm; other dtypes HF's order: spread + matmul).
 at::Tensor hc_post(const at::Tensor& post, const at::Tensor& comb, const at::Tensor& out,
@@ -316,7 +316,7 @@ bool rows_packed(const at::Tensor& t) {
   return true;
 }
 
-// paged_decode._masked_put: pool[slots] = rows where mask, else the sentinel (0) into slot 0. Rows
+// TorchKernels.masked_put: pool[slots] = rows where mask, else the sentinel (0) into slot 0. Rows
 // of pool's dtype and shape are copied in a loop (rows in order: a later duplicate slot wins).
 void masked_put(at::Tensor pool, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& mask) {
   const bool direct = pool.dim() >= 1 && rows.dim() == pool.dim() && rows.scalar_type() == pool.scalar_type() &&
@@ -364,7 +364,7 @@ void topk_ids(const float* values, int64_t e, int64_t k, std::vector<std::pair<f
   for (int64_t j = 0; j < k; ++j) ids[j] = queue[j].second;
 }
 
-// MoE's Router.forward: (weights * scaling [T, k], expert ids [T, k]) from sqrt(softplus(x W^T)),
+// TorchKernels.route: (weights * scaling [T, k], expert ids [T, k]) from sqrt(softplus(x W^T)),
 // ids by tid2eid (hash layers: `table` [V, k]) or the top-k of scores + bias (`table` [E]). fp32 runs
 // as loops (x W^T by small_gemm below kSkinnyRows rows; softplus with torch's beta 1, threshold 20).
 std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& input_ids, const at::Tensor& weight,
@@ -435,7 +435,7 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& 
   return {weights, ids};
 }
 
-// SharedExpert.combine over the packed gate/up projection: down(silu(gate <= limit) * clamp(up)).
+// TorchKernels.shared_expert, the packed gate/up projection: down(silu(gate <= limit) * clamp(up)).
 // fp32: the two GEMMs as small_gemm below kSkinnyRows rows (else mm) and the activation in one loop.
 // F.linear without bias: fp32 rows below kSkinnyRows by small_gemm (one pass over the weight, the
 // next tile prefetched), otherwise at::linear. A decode step's projections are this shape, and
@@ -515,7 +515,7 @@ at::Tensor shared_expert(const at::Tensor& x, const at::Tensor& gate_up, const a
 
 // The (token, expert) pairs of `ids` [T, k] grouped by expert, in token order within each expert
 // (a stable counting sort, as argsort(stable=True)): pairs `order[start[e]..start[e+1])` are expert e's.
-// Id -1 marks a pair routed to another rank's expert (Experts.localise): it is skipped.
+// Id -1 marks a pair routed to another rank's expert (Experts.forward): it is skipped.
 struct ExpertGroups {
   std::vector<int64_t> order, start;
 };
@@ -537,7 +537,7 @@ ExpertGroups group_by_expert(const at::Tensor& ids, int64_t num_experts) {
   return g;
 }
 
-// Any dtype: per expert in use, the aten ops of Experts.forward on its rows (bit-equal to it).
+// Any dtype: per expert in use, the aten ops of TorchKernels.routed_experts on its rows (bit-equal to it).
 at::Tensor moe_experts_aten(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                             const ExpertGroups& g, int64_t k, const at::Tensor& weights, double limit) {
   const int64_t num_experts = gate_up.size(0), inter = down.size(2);
@@ -558,7 +558,7 @@ at::Tensor moe_experts_aten(const at::Tensor& x, const at::Tensor& gate_up, cons
   return out;
 }
 
-// fp32 Experts.forward without the big gather and scatter: an expert's rows are copied into one
+// fp32 TorchKernels.routed_experts without the big gather and scatter: an expert's rows are copied into one
 // buffer (BLAS) or read in place (skinny), and each weighted output row is added to its token's row in
 // expert order, as index_add_ in the loop. The BLAS branch runs the loop's own ops (bit-equal to it);
 // the skinny one sums in its own order (within fp32 rounding; a row's result there does not depend on
@@ -622,7 +622,7 @@ at::Tensor moe_experts_f32(const at::Tensor& x, const at::Tensor& gate_up, const
   return out;
 }
 
-// Experts.forward (dsv4_engine.model.moe): x [T, D], gate_up [E, 2I, D], down [E, D, I], ids and
+// TorchKernels.routed_experts (kernels/torch_forms.py): x [T, D], gate_up [E, 2I, D], down [E, D, I], ids and
 // weights [T, k]. fp32 takes moe_experts_f32; other dtypes run the loop's own aten ops (bit-equal).
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                        const at::Tensor& ids, const at::Tensor& weights, double limit) {
@@ -634,8 +634,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, const at:
   return moe_experts_aten(x, gate_up, down, groups, ids.size(1), weights, limit);
 }
 
-// RMSNorm (weight defined: fp32 weight * normalised fp32 row, cast once, as ops.RMSNorm) or
-// unweighted_rms_norm (no weight: the fp32 scale cast to x's dtype, then the product in x's dtype).
+// TorchKernels.rms_norm (weight defined: fp32 weight * normalised fp32 row, cast once) or
+// head_rms_norm (no weight: the fp32 scale cast to x's dtype, then the product in x's dtype).
 template <typename T>
 void rms_norm_rows(const T* x, const float* w, T* out, int64_t rows, int64_t d, float eps) {
   for (int64_t r = 0; r < rows; ++r) dsv4::rms_norm_row(x + r * d, w, out + r * d, d, eps);
@@ -686,7 +686,7 @@ at::Tensor rope_rotate(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   return out;
 }
 
-// paged_decode._attend: softmax over [keys | sink] per head; q [B, H, D], keys [B, K, D], bias [B, K].
+// TorchKernels.sink_attention: softmax over [keys | sink] per head; q [B, H, D], keys [B, K, D], bias [B, K].
 at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& bias,
                           const at::Tensor& sinks, double scaling) {
   auto logits = at::matmul(q, keys.transpose(1, 2)) * scaling + bias.unsqueeze(1).to(q.scalar_type());

@@ -5,7 +5,7 @@
 // packs those pages into one contiguous buffer and sends it as one entry; these two ops are that
 // packing, one call for every buffer of a state type instead of an index_select per buffer.
 //
-// Staged layout (memory/staging.py writes the same with torch): buffer-major, then page order, each
+// Staged layout (TorchKernels.gather_pages writes the same with torch): buffer-major, then page order, each
 // page the buffer's whole row block: staged[sum_{b' < b} n * item(b') + i * item(b)] = buffers[b][pages[i]].
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,5 +1,5 @@
 // Row loops both kernel files use: the RMS norm and RoPE of one row, each the definition its torch
-// form (ops.RMSNorm / unweighted_rms_norm, rope.rotate) is tested against.
+// form (TorchKernels.rms_norm / head_rms_norm, rope.rotate) is tested against.
 #pragma once
 
 #include <cmath>
@@ -7,8 +7,8 @@
 
 namespace dsv4 {
 
-// With `w`: fp32 weight * normalised fp32 row, cast once (ops.RMSNorm). Without: the fp32 scale cast
-// to T, then the product in T (unweighted_rms_norm).
+// With `w`: fp32 weight * normalised fp32 row, cast once (TorchKernels.rms_norm). Without: the fp32
+// scale cast to T, then the product in T (TorchKernels.head_rms_norm).
 template <typename T>
 inline void rms_norm_row(const T* x, const float* w, T* o, int64_t d, float eps) {
   float ss = 0.f;

@@ -7,8 +7,8 @@ is buffer-major, each page the buffer's whole row block, in page-list order:
 
     staged[sum over earlier buffers of n * item + i * item(b)] == buffers[b][pages[i]]
 
-`gather_pages` and `scatter_pages` run the C++ kernels (`kernels/pages.cpp`, one call for every
-buffer of a type) where they serve the device, else the torch code below, which is the same layout.
+`gather_pages` and `scatter_pages` run the kernel set's ops (`kernels/pages.cpp` on CPU, one call for
+every buffer of a type; the torch set's `index_select` / `index_copy_` per buffer, the same layout).
 """
 
 from __future__ import annotations
@@ -17,50 +17,27 @@ import threading
 
 import torch
 
-from .. import kernels
+from ..kernels import KernelSet, choose_kernels
+from ..kernels.torch_forms import staged_nbytes
+
+__all__ = ["ALIGN", "StagingArena", "gather_pages", "scatter_pages", "staged_nbytes"]
 
 ALIGN = 64  # spans start on a cache line, so a staged page never shares one with its neighbour
 
 
-def staged_nbytes(buffers: list[torch.Tensor], pages: int) -> int:
-    """Bytes `pages` pages of every buffer take when packed."""
-    return pages * sum(b[0].nbytes for b in buffers)
+def gather_pages(
+    buffers: list[torch.Tensor], pages: torch.Tensor, staged: torch.Tensor, kernels: KernelSet | None = None
+) -> None:
+    """Pack `pages` (int64 page ids) of every buffer into `staged` (uint8, exactly their size).
+    kernels: the set to run (default: what an engine on staged's device runs)."""
+    (kernels or choose_kernels(staged.device)).gather_pages(buffers, pages, staged)
 
 
-def _segments(buffers: list[torch.Tensor], pages: torch.Tensor, staged: torch.Tensor):  # type: ignore[no-untyped-def]
-    n, at = int(pages.numel()), 0
-    if staged.numel() != staged_nbytes(buffers, n):
-        raise ValueError(f"{staged.numel()} staged bytes for {n} pages of {len(buffers)} buffers")
-    for buf in buffers:
-        size = n * buf[0].nbytes
-        yield buf, staged[at : at + size].view(buf.dtype).view(n, *buf.shape[1:])
-        at += size
-
-
-def _kernel(buffers: list[torch.Tensor], staged: torch.Tensor) -> bool:
-    return (
-        staged.device.type == "cpu"
-        and all(b.is_contiguous() for b in buffers)
-        and kernels.use_for(staged.device)
-    )
-
-
-def gather_pages(buffers: list[torch.Tensor], pages: torch.Tensor, staged: torch.Tensor) -> None:
-    """Pack `pages` (int64 page ids) of every buffer into `staged` (uint8, exactly their size)."""
-    if _kernel(buffers, staged):
-        torch.ops.dsv4.gather_pages(buffers, pages, staged)
-        return
-    for buf, out in _segments(buffers, pages, staged):
-        torch.index_select(buf, 0, pages.to(buf.device), out=out)
-
-
-def scatter_pages(buffers: list[torch.Tensor], pages: torch.Tensor, staged: torch.Tensor) -> None:
+def scatter_pages(
+    buffers: list[torch.Tensor], pages: torch.Tensor, staged: torch.Tensor, kernels: KernelSet | None = None
+) -> None:
     """Unpack `staged` (gather_pages' layout) into `pages` of every buffer."""
-    if _kernel(buffers, staged):
-        torch.ops.dsv4.scatter_pages(buffers, pages, staged)
-        return
-    for buf, src in _segments(buffers, pages, staged):
-        buf.index_copy_(0, pages.to(buf.device), src)
+    (kernels or choose_kernels(staged.device)).scatter_pages(buffers, pages, staged)
 
 
 class StagingArena:

@@ -1,111 +1,87 @@
-"""What one forward pass runs, and how its modes differ.
+"""What one forward pass reads of its batch, whatever the mode.
 
-`Dsv4Model.forward` is one function for every step, and every module's `forward` runs in each
-(each choosing its own kernel: `model.ops.KernelChoice`). The batch it is given brings the attention:
-- `ForwardBatch` (extend: prefill chunks, any prefix; also the reference decode): new tokens of
-  several requests, flattened, each request's state behind its `SeqCache`; its attention is the
-  module's per-request code over the caches.
+`Dsv4Model.forward` is one function for every step, and every module's `forward` runs in each: the
+attention block, the compressors and the indexer compute everything from their own parameters, and
+ask the batch only where state lives. The batch answers with the mode's state access, taking those
+parameters as arguments (it never reads a module), and carries the step's kernel set:
+- `model.extend.ForwardBatch` (extend: prefill chunks, any prefix; also the reference decode): new
+  tokens of several requests, flattened, each request's state behind its `SeqCache`, one request at a
+  time;
 - `attention.paged_decode.DecodeBatch` (the batched decode step): one token per row, every row from
-  the paged pools by static metadata, so it can be compiled or captured; its attention is an
-  attention backend's (`attention.paged_decode`), which also owns the pool writes.
-Both answer `attend(attn, x)`, `static`, `check_positions`, `advance` and `shared_pack`, so the
-layers never ask which mode they run in.
+  the paged pools by static metadata, so the step can be compiled or captured.
+A parameter a module adds reaches both through the same call, or neither.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from dsv4_engine.model.cache import SeqCache
-
 if TYPE_CHECKING:
-    from dsv4_engine.model.attention import Dsv4Attention
+    from dsv4_engine.kernels import KernelSet
+    from dsv4_engine.model.packed import Packed
 
 
 class StepBatch(Protocol):
-    """What the model's forward reads from a batch, whatever the mode."""
-
     input_ids: torch.Tensor
-    memo: dict
-    # No host reads and fixed shapes (a step that may be compiled or captured): modules take their
-    # static-shape forms (`moe.Experts.static_forms`).
-    static: bool
+    memo: dict  # per-forward values every layer shares (RoPE lookups, masks), filled by the model
+    kernels: KernelSet  # the ops every module runs in this step
 
     @property
     def positions(self) -> torch.Tensor: ...
 
     def check_positions(self, max_positions: int) -> None: ...
 
-    def attend(self, attn: Dsv4Attention, x: torch.Tensor) -> torch.Tensor: ...
+    def attention_pack(self, layer: int) -> Packed | None:
+        """The attention block's input projections as one GEMM (`model.packed`), or None: one each."""
+        ...
 
-    def shared_pack(self, layer: int) -> Any: ...
+    def shared_pack(self, layer: int) -> Packed | None:
+        """The shared expert's gate and up projections as one GEMM, or None: one each."""
+        ...
 
-    def advance(self) -> None: ...
+    def compress(
+        self,
+        layer: int,
+        name: str,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        position_bias: torch.Tensor,
+        norm_weight: torch.Tensor,
+        norm_eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> Any:
+        """Fold the step's tokens (`kv`, `gate`: a compressor's projections `[T, coff*D]`) into that
+        compressor's state (`name`: "compressor" or "indexer") and write the rows of the blocks they
+        complete: per-channel softmax of `gate + position_bias[p % ratio]` over the block's window,
+        RMS norm, RoPE at the block's first position (cos/sin: the whole tables). Returns the mode's
+        handle on the compressed rows, for `index_topk` and `attend`."""
+        ...
 
+    def index_topk(
+        self, layer: int, q: torch.Tensor, weights: torch.Tensor, keys: Any, scale: float, k: int
+    ) -> Any:
+        """The indexer's picks among the compressed rows each token may see (`keys`: `compress`'s
+        handle on the indexer's rows), top-k of `sum_h weights_h * relu(q_h . key) * scale`."""
+        ...
 
-@dataclass
-class SeqSlice:
-    """One request's new tokens: rows [offset, offset + length) of the batch, positions
-    [start, start + length); `cache` holds positions [0, start)."""
-
-    cache: SeqCache
-    start: int
-    length: int
-    offset: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.offset, self.offset + self.length)
-
-
-@dataclass
-class ForwardBatch:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    seqs: list[SeqSlice]
-    # Per-forward memo (masks shared by all layers), filled by the model.
-    memo: dict = field(default_factory=dict)
-    static = False
-
-    @classmethod
-    def build(
-        cls,
-        chunks: list[tuple[SeqCache, list[int]]],
-        device: torch.device | str = "cpu",
-    ) -> ForwardBatch:
-        """A batch from (cache, new token ids) pairs; each chunk continues at `cache.num_tokens`."""
-        seqs, ids, positions, offset = [], [], [], 0
-        for cache, tokens in chunks:
-            start = cache.num_tokens
-            seqs.append(SeqSlice(cache=cache, start=start, length=len(tokens), offset=offset))
-            ids.extend(tokens)
-            positions.extend(range(start, start + len(tokens)))
-            offset += len(tokens)
-        return cls(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            seqs=seqs,
-        )
-
-    def check_positions(self, max_positions: int) -> None:
-        if len(self.positions) and int(self.positions.max()) >= max_positions:
-            raise ValueError(f"position {int(self.positions.max())} exceeds max_positions {max_positions}")
-
-    def attend(self, attn: Dsv4Attention, x: torch.Tensor) -> torch.Tensor:
-        """Attention `[T, H, D]` (RoPE undone) over each request's cache."""
-        return attn.extend_attention(x, self)
-
-    def shared_pack(self, layer: int) -> Any:
-        return None  # the modules' own projections
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        rows: Any,
+        picks: Any,
+        sinks: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Write the tokens' K=V rows `kv [T, D]`, then softmax per head of `q [T, H, D]` over the
+        sliding window, the compressed rows (`rows`: `compress`'s handle; CSA: only `picks`, HCA: all
+        visible) and the sink: `[T, H, D]`."""
+        ...
 
     def advance(self) -> None:
-        """After the forward: every request's cache holds its new tokens too."""
-        for seq in self.seqs:
-            seq.cache.num_tokens = seq.end
+        """After the forward: the state holds the step's tokens."""
+        ...

@@ -27,6 +27,7 @@ class SeqCache(Protocol):
     """Storage for one request's decode state (all layers)."""
 
     num_tokens: int  # positions [0, num_tokens) have been written
+    window: int  # the sliding window: SWA rows are kept for the last `window` positions
 
     def read_swa(self, layer: int, start: int, end: int) -> torch.Tensor: ...
     def write_swa(self, layer: int, start: int, rows: torch.Tensor) -> None: ...

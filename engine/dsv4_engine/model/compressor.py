@@ -6,29 +6,37 @@ weights its kv (`kv_proj(x)`). At ratio 4 the projections are twice as wide: the
 belongs to the block itself and the first half to the *next* block, so row b pools 2r slots
 (block b-1's first halves, then block b's second halves; block -1 contributes nothing).
 The row is RMS-normalised and rotated (compress RoPE) at position b*r.
+
+The attention block computes the projections (with its own, as one GEMM in a decode step); these
+modules hand their parameters to the batch, which keeps the state where its mode keeps it
+(`model.batch.StepBatch.compress` and `index_topk`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv4_engine.config import Dsv4Config
-from dsv4_engine.model.batch import SeqSlice
-from dsv4_engine.model.ops import Linear, Module, RMSNorm, stable_topk
-from dsv4_engine.rope import RopeTable, rotate_
+from dsv4_engine.model.batch import StepBatch
+from dsv4_engine.model.ops import Linear, Module, RMSNorm
+from dsv4_engine.rope import RopeTable
 
 
 class Compressor(Module):
-    """Folds blocks of `ratio` tokens into compressed KV rows of width `head_dim`."""
+    """Folds blocks of `ratio` tokens of layer `layer` into compressed KV rows of width `head_dim`."""
 
-    def __init__(self, config: Dsv4Config, ratio: int, head_dim: int, rope: RopeTable, name: str) -> None:
+    def __init__(
+        self, config: Dsv4Config, layer: int, ratio: int, head_dim: int, rope: RopeTable, name: str
+    ) -> None:
         super().__init__()
+        self.layer = layer
         self.ratio = ratio
         self.head_dim = head_dim
         self.coff = 2 if ratio == 4 else 1  # overlap at ratio 4
-        self.name = name  # state key in the cache ("compressor" or "indexer")
+        self.name = name  # which of the layer's compressors ("compressor" or "indexer")
         width = self.coff * head_dim
         self.kv_proj = Linear(config.hidden_size, width, bias=False)
         self.gate_proj = Linear(config.hidden_size, width, bias=False)
@@ -36,54 +44,14 @@ class Compressor(Module):
         self.kv_norm = RMSNorm(head_dim, config.rms_norm_eps)
         object.__setattr__(self, "rope", rope)  # shared table, owned by the model's registry
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv_proj(x), self.gate_proj(x)
-
-    def update(self, layer: int, seq: SeqSlice, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """Fold this slice's tokens into the cache; return all compressed rows so far `[end // r, D]`."""
-        r, cache = self.ratio, seq.cache
-        s, e = seq.start, seq.end
-        positions = torch.arange(s, e, device=kv.device)
-        score = gate + self.position_bias.index_select(0, positions % r)
-        base = max(0, (s // r - (self.coff - 1)) * r)  # oldest position still needed
-        if base < s:
-            old_kv, old_score = cache.read_state(layer, self.name, base, s)
-            all_kv, all_score = torch.cat([old_kv, kv]), torch.cat([old_score, score])
-        else:
-            all_kv, all_score = kv, score
-        cache.write_state(layer, self.name, s, kv, score)
-
-        first, last = s // r, e // r  # blocks completed by this slice: [first, last)
-        if last > first:
-            n_full = last * r - base
-            blocks_kv = all_kv[:n_full].view(-1, r, all_kv.shape[-1])
-            blocks_score = all_score[:n_full].view(-1, r, all_score.shape[-1])
-            win_kv, win_score = self._windows(blocks_kv, blocks_score, first)
-            weights = win_score.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
-            rows = self.kv_norm((win_kv * weights).sum(dim=1))
-            cos, sin = self.rope.lookup(torch.arange(first, last, device=kv.device) * r)
-            cache.write_rows(layer, self.name, first, rotate_(rows, cos, sin))
-        if last == 0:
-            return kv.new_zeros(0, self.head_dim)
-        return cache.read_rows(layer, self.name, last)
-
-    def _windows(
-        self, blocks_kv: torch.Tensor, blocks_score: torch.Tensor, first: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pooling windows `[n_new, coff*r, D]` for the new blocks; `blocks_*` start at `base`."""
-        if self.coff == 1:
-            return blocks_kv, blocks_score
-        d = self.head_dim
-        cur_kv, cur_score = blocks_kv[..., d:], blocks_score[..., d:]
-        prev_kv, prev_score = blocks_kv[..., :d], blocks_score[..., :d]
-        if first == 0:  # block 0 borrows from nothing: zero kv, -inf score (softmax weight 0)
-            pad_kv = prev_kv.new_zeros(1, *prev_kv.shape[1:])
-            pad_score = prev_score.new_full((1, *prev_score.shape[1:]), float("-inf"))
-            prev_kv, prev_score = torch.cat([pad_kv, prev_kv[:-1]]), torch.cat([pad_score, prev_score[:-1]])
-        else:  # blocks start one before `first`: it only lends its first halves
-            prev_kv, prev_score = prev_kv[:-1], prev_score[:-1]
-            cur_kv, cur_score = cur_kv[1:], cur_score[1:]
-        return torch.cat([prev_kv, cur_kv], dim=1), torch.cat([prev_score, cur_score], dim=1)
+    def forward(self, kv: torch.Tensor, gate: torch.Tensor, batch: StepBatch) -> Any:
+        """Fold the step's tokens (their `kv_proj` and `gate_proj` outputs) into this compressor's
+        state and write the rows of the blocks they complete; the batch's handle on the rows."""
+        cos, sin = self.rope.tables()
+        norm = self.kv_norm
+        return batch.compress(
+            self.layer, self.name, kv, gate, self.position_bias, norm.weight, norm.eps, cos, sin
+        )
 
 
 class IndexerScorer(Module):
@@ -96,8 +64,8 @@ class Indexer(Compressor):
     """Lightning indexer: its own ratio-4 compressor at `index_head_dim`, and per query the
     top-k compressed rows by `sum_h w_h * relu(q_h . k_j)`."""
 
-    def __init__(self, config: Dsv4Config, rope: RopeTable) -> None:
-        super().__init__(config, 4, config.index_head_dim, rope, name="indexer")
+    def __init__(self, config: Dsv4Config, layer: int, rope: RopeTable) -> None:
+        super().__init__(config, layer, 4, config.index_head_dim, rope, name="indexer")
         self.num_heads = config.index_n_heads
         self.topk = config.index_topk
         self.softmax_scale = config.index_head_dim**-0.5
@@ -105,35 +73,13 @@ class Indexer(Compressor):
         self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.scorer = IndexerScorer(config)
 
-    def queries(
-        self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated index queries `[T, H, Di]` and head weights `[T, H]` (fp32) for all tokens."""
-        q = self.q_b_proj(q_residual).view(len(q_residual), self.num_heads, self.head_dim)
-        return rotate_(q, cos[:, None], sin[:, None]), self.head_weights(self.scorer.weights_proj(x))
-
-    def head_weights(self, projected: torch.Tensor) -> torch.Tensor:
-        """Per-head weights `[T, H]` (fp32) from `scorer.weights_proj`'s output."""
-        return projected.float() * self.weights_scaling
-
-    def select(
-        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, seq: SeqSlice
-    ) -> torch.Tensor:
-        """Additive bias `[n, N]` over compressed rows: 0 where a query selected the row."""
-        n, num_rows = len(q), len(keys)
-        bias = q.new_full((n, num_rows), float("-inf"), dtype=torch.float32)
-        if num_rows == 0:
-            return bias
-        visible = (torch.arange(seq.start, seq.end, device=q.device) + 1) // self.ratio
-        future = torch.arange(num_rows, device=q.device)[None, :] >= visible[:, None]
-        if num_rows <= self.topk:  # the top-k of all rows is every visible row: no scores needed
-            return bias.masked_fill_(~future, 0.0)
-        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * self.softmax_scale  # [n, H, N]
-        scores = (scores * weights[:, :, None]).sum(dim=1)  # [n, N]
-        scores = scores.masked_fill(future, float("-inf"))
-        picked = stable_topk(scores, min(self.topk, num_rows))
-        valid = picked < visible[:, None]
-        # Invalid picks go to a spare column that is dropped.
-        picked = torch.where(valid, picked, torch.full_like(picked, num_rows))
-        bias = torch.cat([bias, bias[:, :1]], dim=1)
-        return bias.scatter_(1, picked, 0.0)[:, :num_rows]
+    def select(self, q_residual: torch.Tensor, weights: torch.Tensor, keys: Any, batch: StepBatch) -> Any:
+        """Each token's top-k compressed rows (the batch's answer) from the attention's query residual
+        and `scorer.weights_proj`'s output; keys: this indexer's rows (`forward`'s handle)."""
+        k = batch.kernels
+        cos, sin = batch.memo[id(self.rope)]
+        q = self.q_b_proj(q_residual, k).view(len(q_residual), self.num_heads, self.head_dim)
+        head_weights = weights.float() * self.weights_scaling
+        return batch.index_topk(
+            self.layer, k.rope(q, cos, sin), head_weights, keys, self.softmax_scale, self.topk
+        )

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4_engine import kernels
 from dsv4_engine.config import Dsv4Config
+from dsv4_engine.kernels import KernelSet, choose_kernels
 from dsv4_engine.model.attention import Dsv4Attention
 from dsv4_engine.model.batch import StepBatch
 from dsv4_engine.model.hyper import HyperConnection, HyperHead
 from dsv4_engine.model.moe import MoE
-from dsv4_engine.model.ops import KernelChoice, Linear, Module, RMSNorm
+from dsv4_engine.model.ops import Linear, Module, RMSNorm
 from dsv4_engine.parallel.groups import SINGLE, Parallel
 from dsv4_engine.rope import RopeRegistry
 
@@ -52,13 +52,15 @@ class DecoderLayer(Module):
         """New streams; `spare` (streams' shape) takes the streams between attention and MoE and
         `streams` the result, overwritten once dead (where `HyperConnection.expand` writes in place).
         Fresh buffers this size can cost more in page faults than the arithmetic that fills them
-        (small preset, 2048 tokens: 9 ms against 1.5 ms)."""
-        post, comb, collapsed = self.attn_hc(streams)
-        out = self.self_attn(self.input_layernorm(collapsed), batch)
-        mid = self.attn_hc.expand(post, comb, out, streams, into=spare)
-        post, comb, collapsed = self.ffn_hc(mid)
-        out = self.mlp(self.post_attention_layernorm(collapsed), batch)
-        return self.ffn_hc.expand(post, comb, out, mid, into=streams)
+        (small preset, 2048 tokens: 9 ms against 1.5 ms). `HyperConnection` maps the streams
+        (`KernelSet.hc_pre`), the set's `hc_post` spreads a sub-block's output back over them."""
+        k = batch.kernels
+        post, comb, collapsed = self.attn_hc(streams, k)
+        out = self.self_attn(self.input_layernorm(collapsed, k), batch)
+        mid = k.hc_post(post, comb, out, streams, spare)
+        post, comb, collapsed = self.ffn_hc(mid, k)
+        out = self.mlp(self.post_attention_layernorm(collapsed, k), batch)
+        return k.hc_post(post, comb, out, mid, streams)
 
 
 class Dsv4Model(Module):
@@ -86,7 +88,7 @@ class Dsv4Model(Module):
         for layer in self.layers:
             streams = layer(streams, batch, spare)
         batch.advance()
-        return self.norm(self.hc_head(streams))
+        return self.norm(self.hc_head(streams), batch.kernels)
 
 
 class Dsv4ForCausalLM(Module):
@@ -123,24 +125,6 @@ class Dsv4ForCausalLM(Module):
     def forward(self, batch: StepBatch) -> torch.Tensor:
         return self.model(batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits."""
-        return self.lm_head(hidden).float()
-
-    def use_kernels(self, enabled: bool | None) -> bool:
-        """Fix every module's kernel choice (`model.ops.KernelChoice`): the fused CPU kernels where
-        they are built and the model is on CPU, never with False; None: decided per call again.
-        Returns whether the modules now use them."""
-        on = None if enabled is None else bool(enabled) and kernels.use_for(self.device)
-        for m in self.modules():
-            if isinstance(m, KernelChoice):
-                m.use_kernels = on
-        return kernels.use_for(self.device) if on is None else on
-
-    def kernels_fixed(self) -> bool:
-        """The modules' fixed kernel choice, or where none is fixed yet, whether kernels serve the
-        model's device."""
-        fixed = {m.use_kernels for m in self.modules() if isinstance(m, KernelChoice)}
-        if fixed == {None}:
-            return kernels.use_for(self.device)
-        return fixed == {True}
+    def compute_logits(self, hidden: torch.Tensor, kernels: KernelSet | None = None) -> torch.Tensor:
+        """fp32 logits; kernels: the step's set (default: what an engine on hidden's device runs)."""
+        return self.lm_head(hidden, kernels or choose_kernels(hidden.device)).float()

@@ -11,11 +11,13 @@ the weights' storage: build it after the model is loaded, cast and moved, and ag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from dsv4_engine.kernels import KernelSet
 
 
 @dataclass(frozen=True)
@@ -23,11 +25,9 @@ class Packed:
     weight: torch.Tensor  # [sum of outputs, in]
     sizes: tuple[int, ...]
 
-    def __call__(self, x: torch.Tensor, kernels: Any = None) -> tuple[torch.Tensor, ...]:
-        """The projections of x; kernels: the GEMM as their `linear` (the caller's
-        `KernelChoice.kernel_for`)."""
-        y = F.linear(x, self.weight) if kernels is None else kernels.linear(x, self.weight)
-        return y.split(self.sizes, dim=-1)
+    def __call__(self, x: torch.Tensor, kernels: KernelSet) -> tuple[torch.Tensor, ...]:
+        """The projections of x, as one GEMM (the set's `linear`)."""
+        return kernels.linear(x, self.weight).split(self.sizes, dim=-1)
 
 
 def _still_packed(pack: Packed, linears: list[nn.Linear]) -> bool:

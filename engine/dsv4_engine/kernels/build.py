@@ -1,0 +1,197 @@
+"""Building and loading the fused CPU kernels (`cpu.cpp`, `attention.cpp`, `pages.cpp`), once a process.
+
+They are built with torch's C++ extension tooling on first use into `$XDG_CACHE_HOME/dsv4/kernels/<hash>`
+(the hash covers the sources, torch's version and the compiler flags), so a second process only loads
+the shared library. Each op is registered as `torch.ops.dsv4.*` with a fake (meta) implementation, so
+`torch.compile` keeps it as one opaque call; eager code calls the same functions bound directly
+(`module()`, `bindings.cpp`), skipping the dispatcher. With `DSV4_KERNELS=0`, or when no C++ compiler is
+present, `available()` is False and nothing is built: `kernels.choose_kernels` then never picks the CPU
+set (`kernels/cpu.py`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# bindings.cpp includes the other three: one translation unit, the ops and their direct bindings.
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("bindings.cpp", "cpu.cpp", "attention.cpp", "pages.cpp")
+)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("rows.h", "simd.h"))
+CFLAGS = ("-O3",)
+KERNELS_ENV = "DSV4_KERNELS"  # "0": never build or use them (also the default of EngineConfig.kernels)
+_built: dict[str, bool] = {}  # "ok": whether the kernels loaded (decided once a process)
+_bound: list[Any] = []  # the built module (its direct bindings), once loaded
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(CFLAGS).encode())
+    return Path(base) / "dsv4" / "kernels" / key.hexdigest()[:16]
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # pip's ninja sits beside this interpreter
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    out = cache_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    # One build at a time, under a lock the kernel drops when its holder dies. torch's own lock is a
+    # file it waits on while it exists: a build killed midway (a pod stopped during start-up) leaves
+    # it behind, and every later start would wait forever. Under our lock nobody else is building,
+    # so a torch lock found here is such a leftover.
+    with open(out / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (out / "lock").unlink(missing_ok=True)
+        module = cpp_extension.load(
+            name="dsv4_cpu_kernels",
+            sources=[str(_staged_sources(out))],
+            build_directory=str(out),
+            extra_cflags=list(CFLAGS),
+            is_python_module=True,
+            verbose=False,
+        )
+    _register_fakes()
+    _bound[:] = [module]
+
+
+def _staged_sources(out: Path) -> Path:
+    """The sources, copied into the cache folder once: the build file names its sources by path, so
+    two installs of the same sources (two checkouts, a venv and a checkout) building from their own
+    paths would each rebuild the other's library in the shared folder; from one copy they share it.
+    Written only when the content differs (a rewrite would look newer to the build)."""
+    src = out / "src"
+    src.mkdir(exist_ok=True)
+    for path in SOURCES + HEADERS:
+        data, dst = path.read_bytes(), src / path.name
+        if not dst.is_file() or dst.read_bytes() != data:
+            tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+    return src / SOURCES[0].name
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("dsv4::hc_pre")
+    def _(streams, fn, base, scale, iters, hc_eps, norm_eps):  # type: ignore[no-untyped-def]
+        t, n = streams.shape[0], streams.shape[1]
+        f32 = torch.float32
+        post = streams.new_empty(t, n, dtype=f32)
+        comb = streams.new_empty(t, n, n, dtype=f32)
+        return post, comb, streams.new_empty(t, streams.shape[2])
+
+    @torch.library.register_fake("dsv4::fill_decode")
+    def _(
+        req,
+        pos,
+        valid,
+        swa,
+        tokens,
+        c4s,
+        c128s,
+        page_size,
+        swa_loc,
+        c4_loc,
+        c4s_loc,
+        c128_loc,
+        c128s_loc,
+        main,
+        c4,
+        c128,
+    ):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("dsv4::sink_attention")
+    def _(q, keys, bias, sinks, scaling):  # type: ignore[no-untyped-def]
+        return q.new_empty(q.shape[0], q.shape[1], keys.shape[2], dtype=keys.dtype)
+
+    @torch.library.register_fake("dsv4::rms_norm")
+    def _(x, weight, eps):  # type: ignore[no-untyped-def]
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("dsv4::rope_rotate")
+    def _(x, cos, sin, inverse):  # type: ignore[no-untyped-def]
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("dsv4::moe_experts")
+    def _(x, gate_up, down, ids, weights, limit):  # type: ignore[no-untyped-def]
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("dsv4::hc_post")
+    def _(post, comb, out, streams):  # type: ignore[no-untyped-def]
+        return torch.empty_like(streams)
+
+    @torch.library.register_fake("dsv4::masked_put")
+    def _(pool, slots, rows, mask):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("dsv4::route")
+    def _(x, input_ids, weight, table, is_hash, top_k, scaling):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], top_k), x.new_empty(x.shape[0], top_k, dtype=torch.long)
+
+    @torch.library.register_fake("dsv4::compress_decode")
+    def _(kv, gate, pb, pos, wmask, wloc, start, slots, bmask, bloc, bpos, cos, sin, w, eps, state, rows):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("dsv4::index_topk")
+    def _(q, weights, keys, page_table, visible, ratio, page_size, scale, k):  # type: ignore[no-untyped-def]
+        return q.new_empty(q.shape[0], k, dtype=torch.long)
+
+    @torch.library.register_fake("dsv4::gather_pages")
+    def _(buffers, pages, staged):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("dsv4::scatter_pages")
+    def _(buffers, pages, staged):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("dsv4::paged_attention")
+    def _(q, swa, swa_slots, comp, page_table, rows, visible, ratio, page_size, sinks, scaling):  # type: ignore[no-untyped-def]
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("dsv4::linear")
+    def _(x, weight):  # type: ignore[no-untyped-def]
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake("dsv4::grouped_linear")
+    def _(x, weight):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("dsv4::shared_expert")
+    def _(x, gate_up, down, limit):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], down.shape[0])
+
+
+def available() -> bool:
+    """True once the kernels are loaded; builds them on the first call (a minute, then cached)."""
+    if "ok" not in _built:
+        if os.environ.get(KERNELS_ENV, "1") == "0":
+            _built["ok"] = False
+        else:
+            try:
+                _build()
+                _built["ok"] = True
+            except Exception as exc:  # no compiler, no headers: the torch code still runs
+                log.warning("fused CPU kernels unavailable, using torch ops: %s", exc)
+                _built["ok"] = False
+    return _built["ok"]
+
+
+def module() -> Any:
+    """The built module: the per-layer kernels bound directly (`bindings.cpp`: `module().rms_norm(x,
+    weight, eps)`, the arguments of `torch.ops.dsv4.rms_norm`), for eager calls, ~1 us a call less
+    than through the dispatcher. Only after `available()` returned True."""
+    return _bound[0]

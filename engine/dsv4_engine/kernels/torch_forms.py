@@ -1,0 +1,508 @@
+"""The torch kernel set: every op in plain torch, the reference the other sets are tested against
+and fall back to (other dtypes, other sizes), and what a compiler fuses or a device graph captures.
+
+Three variants, one per kind of step:
+- `TorchKernels` (extend: prefill chunks, the reference decode): dynamic shapes and host reads allowed
+  (the routed experts dispatch by expert from host counts);
+- `StaticTorchKernels` (the batched decode step, eager or captured as a device graph): static shapes
+  and no host reads (the routed experts gathered per slot or dense);
+- `CompiledTorchKernels` (that step under `torch.compile`): the forms inductor handles best (one
+  batched GEMV per expert slot, the stable top-k as one `topk`, no `out=` buffers).
+The values are the same in every variant but the routed experts' summation order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from dsv4_engine.attention.decode_fill import fill_decode_buffers
+from dsv4_engine.kernels.base import KernelSet
+from dsv4_engine.rope import rotate_, rotate_rows
+
+if TYPE_CHECKING:
+    from dsv4_engine.attention.decode_fill import DecodeLocs
+    from dsv4_engine.attention.metadata import AttentionMetadata, CompressMetadata
+    from dsv4_engine.memory.req_to_token import Dsv4ReqPool
+
+Tensor = torch.Tensor
+NEG_INF = float("-inf")
+
+
+class TorchKernels(KernelSet):
+    """Extend steps' torch forms, and every other set's fallback."""
+
+    name = "torch"
+    # The stable top-k as one `topk` over int64 keys (a compiler's best form) instead of a stable sort.
+    topk_by_keys = False
+
+    def for_decode(self, compiled: bool) -> KernelSet:
+        return CompiledTorchKernels() if compiled else StaticTorchKernels()
+
+    # ---- dense layers --------------------------------------------------------------------------
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        return F.linear(x, weight)
+
+    def grouped_linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        w = weight.view(x.shape[1], -1, x.shape[-1])  # [G, R, in]
+        return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return xf.mul_(weight).to(x.dtype)  # in place on the fresh product: one buffer fewer
+
+    def head_rms_norm(self, x: Tensor, eps: float) -> Tensor:
+        return x.mul_(torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype))
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+        shape = (cos.shape[0], *([1] * (x.dim() - 2)), cos.shape[-1])
+        return rotate_(x, cos.view(shape), (-sin if inverse else sin).view(shape))
+
+    # ---- mHC -----------------------------------------------------------------------------------
+    def hc_pre(
+        self,
+        streams: Tensor,
+        fn: Tensor,
+        base: Tensor,
+        scale: Tensor,
+        iters: int,
+        hc_eps: float,
+        norm_eps: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        n = streams.shape[1]
+        mixes = stream_mixes(streams, fn, norm_eps)
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = base.split([n, n, n * n])
+        pre_s, post_s, comb_s = scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + hc_eps
+        # Sinkhorn-Knopp: columns, then (rows, columns) iters - 1 times; in place (same rounding).
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(hc_eps))
+        for _ in range(iters - 1):
+            comb.div_(comb.sum(dim=-1, keepdim=True).add_(hc_eps))
+            comb.div_(comb.sum(dim=-2, keepdim=True).add_(hc_eps))
+        return post, comb, collapse(pre, streams)
+
+    def hc_post(self, post: Tensor, comb: Tensor, out: Tensor, streams: Tensor, into: Tensor) -> Tensor:
+        return expand(post, comb, out, streams, into=into)
+
+    # ---- MoE -----------------------------------------------------------------------------------
+    def route(
+        self,
+        x: Tensor,
+        input_ids: Tensor,
+        weight: Tensor,
+        table: Tensor,
+        is_hash: bool,
+        top_k: int,
+        scaling: float,
+    ) -> tuple[Tensor, Tensor]:
+        scores = F.softplus(F.linear(x, weight)).sqrt()
+        if is_hash:
+            ids = table.index_select(0, input_ids).long()
+        else:
+            ids = torch.topk(scores + table, top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * scaling, ids
+
+    def routed_experts(
+        self, x: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tensor, limit: float
+    ) -> Tensor:
+        """Dispatch by expert: the (token, expert) pairs sorted by expert and gathered once; per expert
+        in use, two matmuls on its contiguous slice and one weighted scatter-add."""
+        flat_ids = ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        foreign = flat_ids < 0  # another rank's pairs (id -1) sort first: drop them
+        if bool(foreign.any()):
+            order = order[~foreign.index_select(0, order)]
+            flat_ids = flat_ids[~foreign]
+        counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+        tokens = order // ids.shape[1]
+        xs = x.index_select(0, tokens)
+        flat_weights = weights.flatten().index_select(0, order)[:, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                end = start + count
+                h = F.linear(xs[start:end], gate_up[expert])
+                y = F.linear(swiglu_(h, limit), down[expert])
+                out.index_add_(0, tokens[start:end], y.mul_(flat_weights[start:end]).to(out.dtype))
+                start = end
+        return out
+
+    def shared_expert(self, x: Tensor, gate_up: Tensor, down: Tensor, limit: float) -> Tensor:
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(swiglu(gate, up, limit), down)
+
+    # ---- attention of an extend step -------------------------------------------------------------
+    def block_attention(self, q: Tensor, keys: Tensor, bias: Tensor, sinks: Tensor, scaling: float) -> Tensor:
+        nb, b, heads, dim = q.shape
+        logits = torch.bmm(q.view(nb, b * heads, dim), keys.transpose(1, 2)).view(nb, b, heads, -1)
+        logits = logits.mul_(scaling).add_(bias.to(q.dtype)[:, :, None, :])
+        sink = sinks.view(1, 1, -1, 1).expand(nb, b, -1, 1)
+        logits = torch.cat([logits, sink], dim=-1)  # sinks are fp32: promotes like HF
+        # HF subtracts the row max first; softmax does exactly that itself (same values).
+        probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
+        return torch.bmm(probs.reshape(nb, b * heads, -1), keys).view(nb * b, heads, dim)
+
+    def compress_blocks(
+        self, kv: Tensor, score: Tensor, norm_weight: Tensor, norm_eps: float, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        weights = score.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        return self.rope(self.rms_norm((kv * weights).sum(dim=1), norm_weight, norm_eps), cos, sin)
+
+    def index_bias(
+        self, q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, scale: float, k: int
+    ) -> Tensor:
+        n, num_rows = len(q), len(keys)
+        bias = q.new_full((n, num_rows), NEG_INF, dtype=torch.float32)
+        if num_rows == 0:
+            return bias
+        future = torch.arange(num_rows, device=q.device)[None, :] >= visible[:, None]
+        if num_rows <= k:  # the top-k of all rows is every visible row: no scores needed
+            return bias.masked_fill_(~future, 0.0)
+        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * scale  # [n, H, N]
+        scores = (scores * weights[:, :, None]).sum(dim=1)  # [n, N]
+        scores = scores.masked_fill(future, NEG_INF)
+        picked = stable_topk(scores, min(k, num_rows))
+        valid = picked < visible[:, None]
+        # Invalid picks go to a spare column that is dropped.
+        picked = torch.where(valid, picked, torch.full_like(picked, num_rows))
+        bias = torch.cat([bias, bias[:, :1]], dim=1)
+        return bias.scatter_(1, picked, 0.0)[:, :num_rows]
+
+    # ---- attention over the paged pools ----------------------------------------------------------
+    def masked_put(self, pool: Tensor, slots: Tensor, rows: Tensor, mask: Tensor) -> None:
+        keep = mask[:, None]
+        pool.index_put_((torch.where(mask, slots, 0),), torch.where(keep, rows.to(pool.dtype), 0.0))
+
+    def sink_attention(self, q: Tensor, keys: Tensor, bias: Tensor, sinks: Tensor, scaling: float) -> Tensor:
+        logits = torch.matmul(q, keys.transpose(1, 2)) * scaling + bias[:, None, :].to(q.dtype)
+        sink = sinks.view(1, -1, 1).expand(q.shape[0], -1, 1)
+        logits = torch.cat([logits, sink], dim=-1)  # sinks are fp32: promotes like the reference
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
+        return torch.matmul(probs, keys)  # [B, H, D]
+
+    def paged_attention(
+        self,
+        q: Tensor,
+        swa: Tensor,
+        swa_slots: Tensor,
+        comp: Tensor | None,
+        page_table: Tensor,
+        rows: Tensor | None,
+        visible: Tensor | None,
+        ratio: int,
+        page_size: int,
+        sinks: Tensor,
+        scaling: float,
+    ) -> Tensor:
+        keys = gather_rows(swa, swa_slots.clamp(min=0)).to(q.dtype)  # [B, W, D], oldest first
+        bias = _bias(swa_slots >= 0)
+        if comp is not None and visible is not None:
+            slots = all_row_slots(page_table, ratio, page_size)  # [B, N]
+            if rows is None:
+                comp_keys = gather_rows(comp, slots)
+                rows = torch.arange(slots.shape[1], device=q.device)[None, :]
+            else:
+                comp_keys = gather_rows(comp, slots.gather(1, rows))
+            keys = torch.cat([keys, comp_keys.to(keys.dtype)], dim=1)
+            bias = torch.cat([bias, _bias(rows < visible[:, None])], dim=1)
+        return self.sink_attention(q, keys, bias, sinks, scaling)
+
+    def compress_paged(
+        self,
+        kv: Tensor,
+        gate: Tensor,
+        position_bias: Tensor,
+        positions: Tensor,
+        cm: CompressMetadata,
+        cos: Tensor,
+        sin: Tensor,
+        norm_weight: Tensor,
+        norm_eps: float,
+        state: Tensor,
+        rows: Tensor,
+        sparse: bool,
+    ) -> None:
+        ratio, half = position_bias.shape
+        score = gate + position_bias.index_select(0, positions % ratio)
+        own = torch.cat([kv.to(state.dtype), score.to(state.dtype)], dim=-1)  # [B, 2*coff*D]
+        # Write before read (so a compiler updates the pool in place instead of copying it): the token's
+        # state row goes to its slot; masked rows rewrite the state sentinel (kv 0, score -inf) into slot 0.
+        # The read below never sees it: columns at or after the token's position are slot 0 there.
+        keep = cm.state_write_mask[:, None]
+        sentinel_score = torch.full_like(own[:, half:], NEG_INF)
+        masked = torch.cat(
+            [torch.where(keep, own[:, :half], 0.0), torch.where(keep, own[:, half:], sentinel_score)], dim=-1
+        )
+        state.index_put_((torch.where(cm.state_write_mask, cm.state_write_loc, 0),), masked)
+        pool = (ratio, norm_weight, norm_eps, kv.dtype)
+        if not sparse:
+            row = self._pool(own, positions, cm.state_read_start, cm.state_read_slots, state, *pool)
+            cos_b, sin_b = cos.index_select(0, cm.block_positions), sin.index_select(0, cm.block_positions)
+            self.masked_put(rows, cm.block_loc, rotate_rows(row, cos_b, sin_b), cm.block_mask)
+            return
+        done = cm.block_mask.nonzero().squeeze(1)
+        if len(done):
+            start, slots = cm.state_read_start[done], cm.state_read_slots[done]
+            row = self._pool(own[done], positions[done], start, slots, state, *pool)
+            block_positions = cm.block_positions[done]
+            cos_b, sin_b = cos.index_select(0, block_positions), sin.index_select(0, block_positions)
+            rows.index_put_((cm.block_loc[done],), rotate_rows(row, cos_b, sin_b).to(rows.dtype))
+
+    def _pool(
+        self,
+        own: Tensor,
+        positions: Tensor,
+        read_start: Tensor,
+        read_slots: Tensor,
+        state: Tensor,
+        ratio: int,
+        norm_weight: Tensor,
+        norm_eps: float,
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """The normalised compressed row `[B, D]` each row's window pools (the token's own state row in
+        its column, the stored rows elsewhere), before RoPE."""
+        r, d, half = ratio, norm_weight.shape[0], own.shape[-1] // 2
+        width = read_slots.shape[1]
+        stored = gather_rows(state, read_slots)  # [B, width, 2*coff*D]; sentinel rows where not stored
+        col = torch.arange(width, device=own.device)[None, :] == (positions - read_start)[:, None]
+        window = torch.where(col[..., None], own[:, None, :], stored)
+        if half == 2 * d:  # overlap (ratio 4): row b pools block b-1's first halves and block b's second
+            win_kv = torch.cat([window[:, :r, :d], window[:, r:, d:half]], dim=1)
+            win_score = torch.cat([window[:, :r, half : half + d], window[:, r:, half + d :]], dim=1)
+        else:
+            win_kv, win_score = window[..., :half], window[..., half:]
+        win_kv = win_kv.to(dtype)
+        weights = win_score.to(dtype).softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
+        return self.rms_norm((win_kv * weights).sum(dim=1), norm_weight, norm_eps)
+
+    def index_topk(
+        self,
+        q: Tensor,
+        weights: Tensor,
+        keys: Tensor,
+        page_table: Tensor,
+        visible: Tensor,
+        ratio: int,
+        page_size: int,
+        scale: float,
+        k: int,
+    ) -> Tensor:
+        slots = all_row_slots(page_table, ratio, page_size)  # [B, N]
+        idx_keys = gather_rows(keys, slots).float()  # [B, N, Di]
+        scores = F.relu(torch.matmul(q.float(), idx_keys.transpose(1, 2))) * scale
+        scores = (scores * weights[:, :, None]).sum(dim=1)  # [B, N]
+        rows = torch.arange(slots.shape[1], device=q.device)[None, :]
+        scores = scores.masked_fill(rows >= visible[:, None], NEG_INF)
+        return stable_topk_rows(scores, min(k, slots.shape[1]), self.topk_by_keys)
+
+    def fill_decode(
+        self,
+        buf: AttentionMetadata,
+        req_pool: Dsv4ReqPool,
+        page_size: int,
+        req: Tensor,
+        pos: Tensor,
+        valid: Tensor,
+        locs: DecodeLocs,
+    ) -> None:
+        fill_decode_buffers(buf, req_pool, page_size, req, pos, valid, locs)
+
+    # ---- PD staging ----------------------------------------------------------------------------
+    def gather_pages(self, buffers: list[Tensor], pages: Tensor, staged: Tensor) -> None:
+        for buf, out in _segments(buffers, pages, staged):
+            torch.index_select(buf, 0, pages.to(buf.device), out=out)
+
+    def scatter_pages(self, buffers: list[Tensor], pages: Tensor, staged: Tensor) -> None:
+        for buf, src in _segments(buffers, pages, staged):
+            buf.index_copy_(0, pages.to(buf.device), src)
+
+
+class StaticTorchKernels(TorchKernels):
+    """The batched decode step's torch forms, eager or captured as a device graph."""
+
+    def routed_experts(
+        self, x: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tensor, limit: float
+    ) -> Tensor:
+        """Static output shape and no host reads: gathered expert weights while B*k < E, else every
+        expert densely (a static choice: B is the bucket's)."""
+        bsz, k = ids.shape
+        ids, weights = _dense_ids(ids, weights)
+        num_experts = gate_up.shape[0]
+        if bsz * k < num_experts:  # read only the picked experts' weights
+            h = torch.matmul(gate_up[ids], x[:, None, :, None]).squeeze(-1)  # [B, k, 2I]
+            gate, up = h.chunk(2, dim=-1)
+            y = torch.matmul(down[ids], swiglu(gate, up, limit)[..., None]).squeeze(-1)
+            routed = (y * weights[..., None].to(y.dtype)).sum(dim=1)
+            return routed.to(x.dtype)
+        return _dense_experts(x, gate_up, down, ids, weights, limit)
+
+
+class CompiledTorchKernels(StaticTorchKernels):
+    """The batched decode step's torch forms under `torch.compile`."""
+
+    topk_by_keys = True
+
+    def head_rms_norm(self, x: Tensor, eps: float) -> Tensor:
+        return unweighted_rms_norm(x, eps)
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+        return rotate_rows(x, cos, sin, inverse)
+
+    def hc_post(self, post: Tensor, comb: Tensor, out: Tensor, streams: Tensor, into: Tensor) -> Tensor:
+        return expand(post, comb, out, streams)  # a fresh tensor: `out=` is eager's economy
+
+    def routed_experts(
+        self, x: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tensor, limit: float
+    ) -> Tensor:
+        """While B*k < E one batched GEMV per expert slot (inductor's best form here), else dense."""
+        bsz, k = ids.shape
+        ids, weights = _dense_ids(ids, weights)
+        if bsz * k >= gate_up.shape[0]:
+            return _dense_experts(x, gate_up, down, ids, weights, limit)
+        routed = x.new_zeros(())
+        for slot in range(k):
+            picked = ids[:, slot]
+            h = torch.bmm(gate_up[picked], x[:, :, None]).squeeze(-1)  # [B, 2I]
+            gate, up = h.chunk(2, dim=-1)
+            y = torch.bmm(down[picked], swiglu(gate, up, limit)[:, :, None]).squeeze(-1)
+            routed = routed + y * weights[:, slot, None].to(y.dtype)
+        return routed.to(x.dtype)
+
+
+# ---- helpers the forms share ----------------------------------------------------------------------
+
+
+def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def swiglu_(h: Tensor, limit: float) -> Tensor:
+    """`swiglu` of `h = [gate | up]`, computed in h's own storage (returns a view of it)."""
+    inter = h.shape[-1] // 2
+    gate, up = h[..., :inter], h[..., inter:]
+    return F.silu(gate.clamp_(max=limit), inplace=True).mul_(up.clamp_(min=-limit, max=limit))
+
+
+def _dense_ids(ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """Another rank's pairs (-1) as local expert 0 at weight 0, for forms that index every pair."""
+    here = ids >= 0
+    return torch.where(here, ids, 0), weights * here
+
+
+def _dense_experts(
+    x: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tensor, limit: float
+) -> Tensor:
+    """Every expert for every row: one GEMM for every expert's gate/up, one batched GEMM down."""
+    bsz, num_experts = x.shape[0], gate_up.shape[0]
+    h = F.linear(x, gate_up.flatten(0, 1)).view(bsz, num_experts, -1)  # [B, E, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    act = swiglu(gate, up, limit).transpose(0, 1)  # [E, B, I]
+    y = torch.bmm(act, down.transpose(1, 2))  # [E, B, D]
+    dense = torch.zeros(bsz, num_experts, dtype=y.dtype, device=y.device)
+    dense = dense.scatter_add(1, ids, weights.to(y.dtype))
+    return torch.einsum("be,ebd->bd", dense, y).to(x.dtype)
+
+
+def unweighted_rms_norm(x: Tensor, eps: float) -> Tensor:
+    """RMS normalisation without a weight; the scale is computed in fp32, applied in x's dtype."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def stream_mixes(streams: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`linear(unweighted_rms_norm(streams.flatten(1)), weight)` in fp32 for streams `[T, N, D]`.
+
+    With fp32 streams the RMS scale, a per-row scalar, is applied to the few output columns instead
+    of the `[T, N*D]` input and the mean square comes from a norm (one pass, no temporaries). A bf16
+    model keeps HF's op order: a last-bit change here moves its bf16 casts downstream.
+    """
+    x = streams.flatten(1).float()
+    if streams.dtype != torch.float32:
+        return F.linear(unweighted_rms_norm(x, eps), weight.float())
+    sum_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
+    return F.linear(x, weight.float()) * torch.rsqrt(sum_sq / x.shape[-1] + eps)
+
+
+def collapse(pre: Tensor, streams: Tensor) -> Tensor:
+    """`sum_i pre_i * streams_i` in fp32: one `[1, N] @ [N, D]` product per row instead of a
+    `[T, N, D]` temporary."""
+    return torch.bmm(pre.unsqueeze(1), streams.float()).squeeze(1).to(streams.dtype)
+
+
+def expand(post: Tensor, comb: Tensor, out: Tensor, streams: Tensor, into: Tensor | None = None) -> Tensor:
+    """New streams: `post_k * out + sum_j comb[j, k] * streams_j`; fp32 ones are written to `into`
+    (a buffer of streams' shape, not `streams` itself) when given."""
+    dtype = streams.dtype
+    if dtype != torch.float32:  # HF's op order: one fused rounding moves bf16 logits by > 1 ulp
+        spread = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)
+        return spread + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    spread = torch.mul(post.unsqueeze(-1), out.unsqueeze(-2), out=into)
+    return spread.baddbmm_(comb.transpose(-1, -2), streams)  # in place: no third [T, N, D] buffer
+
+
+def stable_topk(scores: Tensor, k: int) -> Tensor:
+    """Indices of the k largest entries along the last dim; ties go to the lower index.
+
+    Exact ties are common in the indexer (ReLU zeros); an unstable top-k would make the
+    selected set depend on memory layout.
+    """
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return order[..., :k]
+
+
+def stable_topk_rows(scores: Tensor, k: int, by_keys: bool) -> Tensor:
+    """`stable_topk` of fp32 scores `[B, N]`.
+
+    by_keys: one `topk` over unique int64 keys (order-preserving integer image of the float, then
+    the reversed index) instead of a stable sort, which is an order of magnitude slower on small
+    rows here; the same indices (-0.0 is folded into +0.0 first: they tie in the float order).
+    """
+    if not by_keys:
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    n = scores.shape[-1]
+    bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64)
+    order = torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))  # monotone in the float value
+    rev = n - 1 - torch.arange(n, device=scores.device)
+    return torch.topk(order * n + rev, k, dim=-1).indices
+
+
+def all_row_slots(page_table: Tensor, ratio: int, page_size: int) -> Tensor:
+    """Slots `[B, N]` of compressed rows 0..N-1 of every request (N = pages * P / ratio)."""
+    per_page = page_size // ratio
+    j = torch.arange(page_table.shape[1] * per_page, device=page_table.device)
+    return page_table.to(torch.int64)[:, j // per_page] * per_page + j % per_page
+
+
+def gather_rows(pool: Tensor, slots: Tensor) -> Tensor:
+    """`pool[slots]` for a flat pool `[S, W]` and slots of any shape, as one `index_select` (advanced
+    indexing is several times slower on CPU for these shapes)."""
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, pool.shape[-1])
+
+
+def _bias(visible: Tensor) -> Tensor:
+    return torch.where(visible, 0.0, NEG_INF)
+
+
+def staged_nbytes(buffers: list[Tensor], pages: int) -> int:
+    """Bytes `pages` pages of every buffer take when packed (`gather_pages`' layout)."""
+    return pages * sum(b[0].nbytes for b in buffers)
+
+
+def _segments(buffers: list[Tensor], pages: Tensor, staged: Tensor):  # type: ignore[no-untyped-def]
+    n, at = int(pages.numel()), 0
+    if staged.numel() != staged_nbytes(buffers, n):
+        raise ValueError(f"{staged.numel()} staged bytes for {n} pages of {len(buffers)} buffers")
+    for buf in buffers:
+        size = n * buf[0].nbytes
+        yield buf, staged[at : at + size].view(buf.dtype).view(n, *buf.shape[1:])
+        at += size
