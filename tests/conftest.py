@@ -45,6 +45,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return _unit(nodeid)
 
+    # Units are handed out in collection order (below), not xdist's default of most tests first.
+    config.option.loadscopereorder = False
     return ByUnit(config, log)
 
 

@@ -70,9 +70,16 @@ def port_of(pod: dict[str, Any], name: str = "http") -> int:
     return next(p["containerPort"] for p in ports if p["name"] == name)
 
 
-def router_url(kube: Any) -> str:
-    """The router pod's own address: there is no Service proxy on this tier."""
-    (router,) = [p for p in pods(kube, "router") if is_ready(p)]
+def router_url(kube: Any, timeout: float = 300) -> str:
+    """The router pod's own address: there is no Service proxy on this tier. Waited for: the router
+    is Ready only while it has a worker of each role, so just after a decode restart it may not be."""
+    from suite.realkube import wait_until
+
+    def ready() -> dict[str, Any] | None:
+        got = [p for p in pods(kube, "router") if is_ready(p)]
+        return got[0] if len(got) == 1 else None
+
+    router = wait_until(ready, timeout, "one Ready router pod")
     return f"http://{router['status']['podIP']}:{port_of(router)}/v1"
 
 
