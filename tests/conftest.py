@@ -38,6 +38,7 @@ def _unit(nodeid: str) -> str:
     return f"tests/{tier}" if tier in SHARED_SESSION_TIERS else nodeid.split("::")[0]
 
 
+@pytest.hookimpl(optionalhook=True)  # a run without xdist (-p no:xdist) has no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 

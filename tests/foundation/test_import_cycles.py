@@ -251,3 +251,60 @@ def test_finder_sees_cycles(tmp_path: Path) -> None:
     edges = {(e.src, e.dst) for e in Graph(discover(pkg)).edges()}
     assert ("pkg.d", "pkg") in edges and ("pkg.sub.s", "pkg.a") in edges
     assert ("pkg.sub.t", "pkg.sub.s") in edges and ("pkg.c", "pkg.d") not in edges
+
+
+# The engine's layers, lowest first (docs/engine.md, "Layers"): a module imports only from its own
+# layer or below, so data flows one way (server → engine → scheduler / model runner → model → kernels).
+# A module is placed by its longest listed prefix; one listed nowhere is in the top layer (""), so a
+# lower layer importing it fails until it is placed.
+ENGINE_LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("config", "device", "options", "rope", "quant", "ckpt_names", "ckpt_plan",
+              "sampling_params", "tokenizer", "parallel.groups")),
+    ("compute", ("kernels", "attention", "model", "memory", "parallel", "loader")),
+    ("step", ("sampler", "grammar", "scheduler", "graph_runner", "model_runner")),
+    ("engine", ("engine_config", "engine", "ranks", "llm")),
+    ("disagg", ("disagg",)),
+    ("serving", ("server", "cli", "make_tiny", "demo", "demo_train", "testing", "")),
+]  # fmt: skip
+
+
+def layer_of(module: str, layers: list[tuple[str, tuple[str, ...]]]) -> int:
+    """The index of `module`'s layer (`pkg.a.b`: the longest listed prefix of `a.b`)."""
+    rel = module.partition(".")[2]
+    placed = [
+        (len(p), i)
+        for i, (_, prefixes) in enumerate(layers)
+        for p in prefixes
+        if p == "" or rel == p or rel.startswith(p + ".")
+    ]
+    return max(placed)[1]
+
+
+def upward_edges(pkg_dir: Path, layers: list[tuple[str, tuple[str, ...]]]) -> list[Edge]:
+    return [e for e in Graph(discover(pkg_dir)).edges() if layer_of(e.dst, layers) > layer_of(e.src, layers)]
+
+
+def test_engine_layers_import_one_way() -> None:
+    up = upward_edges(PACKAGES[0], ENGINE_LAYERS)
+    names = [n for n, _ in ENGINE_LAYERS]
+    lines = [
+        f"  {e.src} ({names[layer_of(e.src, ENGINE_LAYERS)]}) -> {e.dst} "
+        f"({names[layer_of(e.dst, ENGINE_LAYERS)]})   {e.path.relative_to(ROOT)}:{e.lineno}: {e.line}"
+        for e in up
+    ]
+    assert not up, "a lower layer imports a higher one:\n" + "\n".join(lines)
+
+
+def test_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    files = {
+        "__init__.py": "",
+        "low.py": "def f() -> None:\n    from pkg.high import H\n",
+        "high.py": "H = 1\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    layers = [("low", ("low",)), ("high", ("high", ""))]
+    assert [(e.src, e.dst) for e in upward_edges(pkg, layers)] == [("pkg.low", "pkg.high")]
+    assert not upward_edges(pkg, list(reversed(layers)))
