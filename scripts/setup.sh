@@ -27,3 +27,10 @@ if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   .venv/bin/pip install -q -e '.[engine,operator,test,bench,eval]'
   echo "$want" > "$stamp"
 fi
+
+# The engine's fused CPU kernels, built once per source and torch version into the cache outside the
+# repo ($XDG_CACHE_HOME/dsv4/kernels): otherwise the first servers to start build them, and every
+# other start waits on that build (minutes on two busy cores). Where no compiler works, the engine
+# runs its torch forms, slower.
+TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python -m dsv4_engine.kernels >/dev/null ||
+  echo "setup: the fused CPU kernels could not be built; the engine runs its torch forms" >&2

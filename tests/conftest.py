@@ -21,11 +21,14 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 # scripts/test.sh runs the suite on two xdist workers. The unit a worker is handed whole: a file (its
 # module fixtures start once), or a tier whose files share a session fixture (tests/cluster: the API
-# server, node agent and chart release; tests/kube: the API server). The longest unit is collected
-# first so it does not end the run alone. (xdist's own `--dist loadgroup` marks are not honoured
-# under pytest 9: a scheduler of ours, xdist's documented hook, does the grouping.)
+# server, node agent and chart release; tests/kube: the API server). Units are handed out in collection
+# order: the cluster tier first (the longest unit, so it does not end the run alone), then the tiers
+# that run in-process, and last the tiers that start fleets of servers of their own (tests/up,
+# tests/disagg), so that the cluster tier's pods start beside in-process tests, not beside a PD fleet
+# on the same two cores. (xdist's own `--dist loadgroup` marks are not honoured under pytest 9: a
+# scheduler of ours, xdist's documented hook, does the grouping.)
 SHARED_SESSION_TIERS = ("cluster", "kube")
-FIRST = ("cluster",)
+FIRST, LAST = ("cluster",), ("up", "disagg")
 
 
 def _tier(nodeid: str) -> str:
@@ -52,7 +55,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: _tier(item.nodeid) not in FIRST)  # stable: the order within a file stays
+    def rank(item: pytest.Item) -> int:
+        tier = _tier(item.nodeid)
+        return 0 if tier in FIRST else 2 if tier in LAST else 1
+
+    items.sort(key=rank)  # stable: the order within a file stays
 
 
 _skipped: dict[str, list[str]] = {}  # reason -> test ids

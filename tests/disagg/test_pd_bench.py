@@ -24,7 +24,7 @@ def _run(tiny: Path, out_dir: Path) -> str:
          "--rates", *RATES, "--requests", str(REQUESTS), "--long-tokens", "200", "300",
          "--short-tokens", "16", "32", "--output-tokens", str(OUTPUT_TOKENS), "--unloaded-repeats", "1",
          "--hop-pairs", "3", "--request-timeout", "120", "--out-dir", str(out_dir)],
-        capture_output=True, text=True, env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}, timeout=300,
+        capture_output=True, text=True, env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout

@@ -54,8 +54,14 @@ def _build() -> None:
     # it behind, and every later start would wait forever. Under our lock nobody else is building,
     # so a torch lock found here is such a leftover.
     with open(out / "build.flock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # said, so a silent start has a reason in the log
+            log.info("fused CPU kernels: waiting for another process's build in %s", out)
+            fcntl.flock(held, fcntl.LOCK_EX)
         (out / "lock").unlink(missing_ok=True)
+        if not (out / "dsv4_cpu_kernels.so").exists():
+            log.info("fused CPU kernels: building into %s (a minute or more; once per version)", out)
         module = cpp_extension.load(
             name="dsv4_cpu_kernels",
             sources=[str(_staged_sources(out))],
@@ -195,3 +201,14 @@ def module() -> Any:
     weight, eps)`, the arguments of `torch.ops.dsv4.rms_norm`), for eager calls, ~1 us a call less
     than through the dispatcher. Only after `available()` returned True."""
     return _bound[0]
+
+
+def main() -> int:
+    """`python -m dsv4_engine.kernels`: build the kernels ahead of any server (the test command
+    and images do, so no start waits on a build); prints where they are. Exit 1 where they cannot be
+    built (the torch forms still run, slower)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not available():
+        return 1
+    print(cache_dir())
+    return 0
