@@ -1,7 +1,7 @@
 """Building and loading the fused CPU kernels (`cpu.cpp`, `attention.cpp`, `pages.cpp`), once a process.
 
 They are built with torch's C++ extension tooling on first use into `$XDG_CACHE_HOME/dsv4/kernels/<hash>`
-(the hash covers the sources, torch's version and the compiler flags), so a second process only loads
+(the hash covers the sources, torch's version and location, and the compiler flags), so a second process only loads
 the shared library. Each op is registered as `torch.ops.dsv4.*` with a fake (meta) implementation, so
 `torch.compile` keeps it as one opaque call; eager code calls the same functions bound directly
 (`module()`, `bindings.cpp`), skipping the dispatcher. With `DSV4_KERNELS=0`, or when no C++ compiler is
@@ -36,9 +36,13 @@ _bound: list[Any] = []  # the built module (its direct bindings), once loaded
 
 
 def cache_dir() -> Path:
+    """Keyed by the sources, torch's version and location, and the flags. The location too: the build
+    file names torch's headers by path, so two environments (two venvs) sharing one folder would each
+    rebuild the other's library on every start (37 s here), silently."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(CFLAGS).encode())
+    where = str(Path(torch.__file__).resolve().parent)
+    key = hashlib.sha256(sources + torch.__version__.encode() + where.encode() + " ".join(CFLAGS).encode())
     return Path(base) / "dsv4" / "kernels" / key.hexdigest()[:16]
 
 
