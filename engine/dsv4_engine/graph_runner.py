@@ -30,7 +30,7 @@ from dsv4_engine.attention.decode_buffers import DEFAULT_BUCKETS, DecodeBuffers
 from dsv4_engine.attention.decode_fill import DecodeLocs
 from dsv4_engine.attention.paged_decode import DecodeBatch, PoolViews
 from dsv4_engine.kernels import KernelSet, choose_kernels
-from dsv4_engine.memory.allocator import DSV4OutCacheLoc, ExtendSpec
+from dsv4_engine.memory.out_cache_loc import DSV4OutCacheLoc, ExtendSpec
 from dsv4_engine.memory.pools import Dsv4TokenToKVPool
 from dsv4_engine.memory.req_to_token import Dsv4ReqPool
 from dsv4_engine.model.model import Dsv4ForCausalLM

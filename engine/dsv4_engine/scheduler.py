@@ -26,7 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .memory.allocator import FAMILIES, Dsv4Allocator, DSV4OutCacheLoc, ExtendSpec
+from .memory.allocator import FAMILIES, Dsv4Allocator
+from .memory.out_cache_loc import DSV4OutCacheLoc, ExtendSpec
 from .memory.state_tail import cdiv
 from .sampling_params import SamplingParams
 

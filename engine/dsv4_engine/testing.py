@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dsv4_engine.config import CSA, HCA, MOE, SLIDING, Dsv4Config
-from dsv4_engine.kernels.torch_forms import stable_topk
+from dsv4_engine.kernels.torch_ops import stable_topk
 
 PARITY_MARGIN = 1e-4
 

@@ -60,7 +60,7 @@ def test_fill_equals_reference_builder(make_mem, batch: int, fill: str) -> None:
 def test_decode_locs_refuse_two_slots_of_a_kind_in_one_row() -> None:
     """A row writes at most one slot of each kind in a decode step; two in one row and none in the
     other (as many slots as rows) is refused, not spread over the rows."""
-    from dsv4_engine.memory.allocator import DSV4OutCacheLoc
+    from dsv4_engine.memory.out_cache_loc import DSV4OutCacheLoc
 
     i64 = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     bundle = DSV4OutCacheLoc(

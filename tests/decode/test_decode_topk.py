@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_engine.kernels.torch_forms import stable_topk_rows
+from dsv4_engine.kernels.torch_ops import stable_topk_rows
 
 
 def test_key_topk_equals_stable_sort_with_ties_signed_zeros_and_inf() -> None:

@@ -14,7 +14,7 @@ import torch
 
 from dsv4_engine import kernels
 from dsv4_engine.kernels import CpuKernels, TorchKernels
-from dsv4_engine.kernels.torch_forms import expand
+from dsv4_engine.kernels.torch_ops import expand
 from dsv4_engine.model.hyper import HyperConnection
 from dsv4_engine.model.moe import Experts, Router
 from dsv4_engine.model.packed import pack_linears

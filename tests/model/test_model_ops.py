@@ -6,7 +6,7 @@ import torch
 
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.kernels import choose_kernels
-from dsv4_engine.kernels.torch_forms import stable_topk
+from dsv4_engine.kernels.torch_ops import stable_topk
 from dsv4_engine.model.moe import Experts, Router, swiglu
 
 KERNELS = choose_kernels("cpu")  # what an engine with default options runs

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from ..memory.allocator import DSV4OutCacheLoc
+from ..memory.out_cache_loc import DSV4OutCacheLoc
 from ..memory.req_to_token import Dsv4ReqPool
 from .metadata import AttentionMetadata, CompressMetadata
 

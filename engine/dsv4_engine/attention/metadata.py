@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..memory.allocator import DSV4OutCacheLoc, ExtendSpec
 from ..memory.layout import Dsv4MemoryLayout
+from ..memory.out_cache_loc import DSV4OutCacheLoc, ExtendSpec
 from ..memory.req_to_token import Dsv4ReqPool
 from ..memory.state_tail import cdiv, state_alloc_offset, state_read_range
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels import KernelSet
-from ..memory.allocator import DSV4OutCacheLoc, ExtendSpec
+from ..memory.out_cache_loc import DSV4OutCacheLoc, ExtendSpec
 from ..memory.pools import Dsv4TokenToKVPool
 from ..memory.req_to_token import Dsv4ReqPool
 from ..model.extend import ForwardBatch

@@ -214,7 +214,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(
   auto comb = at::empty({t, n, n}, sc.options().dtype(at::kFloat));
   auto collapsed = at::empty({t, d}, sc.options());
   if (sc.scalar_type() == at::kFloat && t <= kHcLoopRows) {
-    // torch_forms.stream_mixes for a few fp32 rows: the dot products, then each row times its RMS scale.
+    // torch_ops.stream_mixes for a few fp32 rows: the dot products, then each row times its RMS scale.
     auto w = f32c(fn);
     const float* sp = sc.data_ptr<float>();
     std::vector<float> mixes(t * width);
@@ -233,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(
   }
   auto flat = sc.view({t, n * d}).to(at::kFloat);
   auto w = fn.to(at::kFloat);
-  at::Tensor mixes;  // torch_forms.stream_mixes: fp32 scales the map's output, other dtypes its input
+  at::Tensor mixes;  // torch_ops.stream_mixes: fp32 scales the map's output, other dtypes its input
   if (sc.scalar_type() == at::kFloat) {
     auto sum_sq = at::linalg_vector_norm(flat, 2, {-1}, true).square_();
     mixes = at::mm(flat, w.t()).mul_(at::rsqrt(sum_sq.div_(n * d).add_(norm_eps)));
@@ -276,7 +276,7 @@ void hc_post_row(const float* c, const float* st, const float* o, float pk, int6
   for (int64_t i = 0; i < d; ++i) y[i] = pk * o[i] + y[i];
 }
 
-// torch_forms.expand (TorchKernels.hc_post): new streams `post_k * out + sum_j comb[j, k] * streams_j`. fp32 [T, n, D] as
+// torch_ops.expand (TorchKernels.hc_post): new streams `post_k * out + sum_j comb[j, k] * streams_j`. fp32 [T, n, D] as
 // loops (the comb sum first, then the spread added, as baddbmm_ onto the spread); otherwise the aten
 // ops (fp32: the spread, then one in-place baddbmm; other dtypes HF's order: spread + matmul).
 at::Tensor hc_post(const at::Tensor& post, const at::Tensor& comb, const at::Tensor& out,

@@ -1,7 +1,8 @@
 """Paged DSV4 memory: pools, request tables, allocator, PD components and payloads."""
 
-from .allocator import Dsv4Allocator, DSV4OutCacheLoc, ExtendSpec
+from .allocator import Dsv4Allocator
 from .layout import STATE_TYPE_ORDER, Dsv4MemoryLayout, StateType
+from .out_cache_loc import DSV4OutCacheLoc, ExtendSpec
 from .page_pool import OutOfPages, PagePool
 from .paged import PagedMemory
 from .payloads import dsv4_state_payloads

@@ -23,67 +23,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .layout import Dsv4MemoryLayout
+from .out_cache_loc import DSV4OutCacheLoc, ExtendSpec
 from .page_pool import OutOfPages, PagePool
-from .req_to_token import Dsv4ReqPool
+from .req_to_token import Dsv4ReqPool, TableWrites
 from .sizing import PoolSizes
 from .state_tail import cdiv, state_alloc_offset, state_keep_from, swa_keep_from, swa_window_start
 
 FAMILIES = ("full", "swa", "c4s", "c128s")
-
-
-@dataclass(frozen=True)
-class ExtendSpec:
-    req_idx: int
-    prefix_len: int
-    seq_len: int
-
-
-@dataclass
-class DSV4OutCacheLoc:
-    """Slots a step writes, concatenated over the batch in request order (int64).
-
-    out_full_loc / out_swa_loc: one per new token (positions prefix..seq-1).
-    out_c4_loc / out_c128_loc: one per compressed block the step completes (blocks prefix//r ..
-      seq//r - 1); the C4 slot is also the indexer slot.
-    out_c4_state_loc / out_c128_state_loc: one per position whose compressor state the step leaves
-      behind (positions max(prefix, state_alloc_offset(seq)) .. seq-1).
-    The *_counts lists split each tensor by request.
-    """
-
-    out_full_loc: torch.Tensor
-    out_swa_loc: torch.Tensor
-    out_c4_loc: torch.Tensor
-    out_c128_loc: torch.Tensor
-    out_c4_state_loc: torch.Tensor
-    out_c128_state_loc: torch.Tensor
-    extend_counts: list[int] = field(default_factory=list)
-    c4_counts: list[int] = field(default_factory=list)
-    c128_counts: list[int] = field(default_factory=list)
-    c4_state_counts: list[int] = field(default_factory=list)
-    c128_state_counts: list[int] = field(default_factory=list)
-
-    def select(self, lo: int, hi: int) -> DSV4OutCacheLoc:
-        """The bundle of requests [lo, hi) of this step (e.g. its decodes, which come first)."""
-        pairs = (
-            (self.out_full_loc, self.extend_counts),
-            (self.out_swa_loc, self.extend_counts),
-            (self.out_c4_loc, self.c4_counts),
-            (self.out_c128_loc, self.c128_counts),
-            (self.out_c4_state_loc, self.c4_state_counts),
-            (self.out_c128_state_loc, self.c128_state_counts),
-        )
-        tensors = [t[sum(c[:lo]) : sum(c[:hi])] for t, c in pairs]
-        counts = [
-            c[lo:hi]
-            for c in (
-                self.extend_counts,
-                self.c4_counts,
-                self.c128_counts,
-                self.c4_state_counts,
-                self.c128_state_counts,
-            )
-        ]
-        return DSV4OutCacheLoc(*tensors, *counts)
 
 
 @dataclass
@@ -113,29 +59,6 @@ def _rows(full: list[int], p: int, ratio: int, prefix: int, seq: int) -> list[in
     row lives in the full page of its first token, `p // ratio` rows a page."""
     firsts = range(prefix // ratio * ratio, seq // ratio * ratio, ratio)
     return [full[f // p] * (p // ratio) + (f % p) // ratio for f in firsts]
-
-
-class _TableWrites:
-    """Per-position table entries of a whole step, scattered with one `index_put_` per table: a
-    decode step of 64 requests otherwise costs ~20 small tensor ops per request (about 15% of a
-    CPU decode step, and host time the device waits for on NPU)."""
-
-    def __init__(self) -> None:
-        self._by_table: dict[int, tuple[torch.Tensor, list[int], list[int], list[int]]] = {}
-
-    def add(self, table: torch.Tensor, row: int, start: int, values: list[int]) -> None:
-        if not values:
-            return
-        _, rows, cols, vals = self._by_table.setdefault(id(table), (table, [], [], []))
-        rows += [row] * len(values)
-        cols += range(start, start + len(values))
-        vals += values
-
-    def flush(self) -> None:
-        for table, rows, cols, vals in self._by_table.values():
-            index = (torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64))
-            table.index_put_(index, torch.tensor(vals, dtype=table.dtype))
-        self._by_table.clear()
 
 
 class Dsv4Allocator:
@@ -322,7 +245,7 @@ class Dsv4Allocator:
         if not gross_fits:
             for spec, plan in zip(specs, plans, strict=True):
                 self._release(spec, plan)
-        writes = _TableWrites()
+        writes = TableWrites()
         for spec, plan in zip(specs, plans, strict=True):
             self._apply(spec, plan, writes)
         writes.flush()
@@ -351,7 +274,7 @@ class Dsv4Allocator:
                 )
         self._reqs[req_idx] = _ReqPages()
         empty = {f: [] for f in FAMILIES}
-        writes = _TableWrites()
+        writes = TableWrites()
         self._apply(ExtendSpec(req_idx, 0, seq_len), _Plan(free=empty, need=need), writes)
         writes.flush()
         self._log("alloc_prealloc", req_idx, seq_len)
@@ -379,10 +302,10 @@ class Dsv4Allocator:
                 tables[fam][idx, k * p : (k + 1) * p] = 0
             self.pools[fam].free([pg for _, pg in freed])
 
-    def _apply(self, spec: ExtendSpec, plan: _Plan, writes: _TableWrites) -> None:
+    def _apply(self, spec: ExtendSpec, plan: _Plan, writes: TableWrites) -> None:
         """Take the plan's pages and map the step's positions (its releases are `_release`'s). The
         per-position entries (full slots, c4/c128 rows) go to `writes`, one scatter per table for the
-        whole batch (see `_TableWrites`); page-wide ones (a page taken, every p steps at most) are
+        whole batch (see `TableWrites`); page-wide ones (a page taken, every p steps at most) are
         written here. Released and taken page indices are disjoint, so the order of the two is free."""
         r = self._reqs.setdefault(spec.req_idx, _ReqPages())
         pool, p, idx = self.req_pool, self.page_size, spec.req_idx

@@ -6,6 +6,7 @@ as "nothing here" (KV 0, state kv 0 / score -inf) instead of someone else's data
 The pool knows nothing about pages. Rows are handed out and released only by `Dsv4Allocator`
 (`alloc_request` / `free`), through the package-private `_take_row` / `_release_row`: a row then can
 never be released while it still holds pages, and a reused row always starts clean.
+`TableWrites` gathers a step's per-position entries into one scatter per table.
 """
 
 from __future__ import annotations
@@ -108,3 +109,26 @@ class Dsv4DecodeReqToTokenPool(Dsv4ReqToTokenPool):
 
 # Either pool (the decode pool is a subclass); kept as the name the type hints use.
 Dsv4ReqPool = Dsv4ReqToTokenPool
+
+
+class TableWrites:
+    """Per-position table entries of a whole step, scattered with one `index_put_` per table: a
+    decode step of 64 requests otherwise costs ~20 small tensor ops per request (about 15% of a
+    CPU decode step, and host time the device waits for on NPU)."""
+
+    def __init__(self) -> None:
+        self._by_table: dict[int, tuple[torch.Tensor, list[int], list[int], list[int]]] = {}
+
+    def add(self, table: torch.Tensor, row: int, start: int, values: list[int]) -> None:
+        if not values:
+            return
+        _, rows, cols, vals = self._by_table.setdefault(id(table), (table, [], [], []))
+        rows += [row] * len(values)
+        cols += range(start, start + len(values))
+        vals += values
+
+    def flush(self) -> None:
+        for table, rows, cols, vals in self._by_table.values():
+            index = (torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64))
+            table.index_put_(index, torch.tensor(vals, dtype=table.dtype))
+        self._by_table.clear()

@@ -18,7 +18,7 @@ import threading
 import torch
 
 from ..kernels import KernelSet, choose_kernels
-from ..kernels.torch_forms import staged_nbytes
+from ..kernels.torch_ops import staged_nbytes
 
 __all__ = ["ALIGN", "StagingArena", "gather_pages", "scatter_pages", "staged_nbytes"]
 

@@ -4,7 +4,7 @@ The residual is `hc_mult` parallel streams `[T, N, D]`. Before each sub-block a 
 map of the (RMS-normalised, flattened) streams gives `pre` (collapse N streams into the
 block input), `post` (spread the block output back over N streams) and `comb` (mix the
 input streams), the last projected towards a doubly-stochastic matrix by Sinkhorn-Knopp.
-All of it runs in fp32 (`KernelSet.hc_pre` / `hc_post`; the torch forms in `kernels.torch_forms`).
+All of it runs in fp32 (`KernelSet.hc_pre` / `hc_post`; the torch forms in `kernels.torch_ops`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.kernels import KernelSet
-from dsv4_engine.kernels.torch_forms import collapse, stream_mixes
+from dsv4_engine.kernels.torch_ops import collapse, stream_mixes
 from dsv4_engine.model.ops import Module
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from dsv4_engine.config import HASH_MOE, Dsv4Config
 from dsv4_engine.kernels import KernelSet
-from dsv4_engine.kernels.torch_forms import swiglu
+from dsv4_engine.kernels.torch_ops import swiglu
 from dsv4_engine.model.ops import Linear, Module
 from dsv4_engine.parallel.groups import SINGLE, Parallel
 
