@@ -13,7 +13,7 @@ per-request fields (masks instead of ragged lists) so DecodeBuffers can hold the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -55,6 +55,11 @@ class CompressMetadata:
     state_write_mask: torch.Tensor
     visible: torch.Tensor
 
+    def to(self, device: torch.device) -> CompressMetadata:
+        return replace(
+            self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "ratio"}
+        )
+
 
 @dataclass
 class AttentionMetadata:
@@ -81,6 +86,18 @@ class AttentionMetadata:
     c4: CompressMetadata | None
     c128: CompressMetadata | None
     is_decode: bool = False
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """This metadata on `device`. It is built on the host, where the step's lists are; only the
+        request tables it reads live on the device (one row copied back per request and table)."""
+        if device.type == "cpu":
+            return self
+        moved = {
+            f.name: value.to(device)
+            for f in fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor | CompressMetadata)
+        }
+        return replace(self, **moved)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor by dotted name (used by DecodeBuffers and the data_ptr checks)."""
@@ -111,13 +128,13 @@ def _page_table(req_pool: Dsv4ReqPool, reqs: list[int], seqs: list[int], pages: 
     table = torch.zeros((len(reqs), pages), dtype=torch.int32)
     for b, (i, s) in enumerate(zip(reqs, seqs, strict=True)):
         n = cdiv(s, p)
-        table[b, :n] = req_pool.req_to_token[i, 0 : n * p : p] // p
+        table[b, :n] = req_pool.req_to_token[i, 0 : n * p : p].cpu() // p
     return table
 
 
 def _swa_slots(req_pool: Dsv4ReqPool, req: int, pos: torch.Tensor, window: int) -> torch.Tensor:
     keys = pos[:, None] - torch.arange(window - 1, -1, -1)[None, :]
-    slots = req_pool.req_to_token_swa[req][keys.clamp(min=0)].to(I64)
+    slots = req_pool.req_to_token_swa[req].cpu()[keys.clamp(min=0)].to(I64)
     return torch.where(keys >= 0, slots, torch.full_like(slots, -1))
 
 
@@ -128,7 +145,7 @@ def _state_read(
     width = _read_width(ratio)
     cols = torch.arange(start, start + width)
     stored = (cols >= 0) & (cols < stop)
-    slots = state_table[req][cols.clamp(min=0, max=state_table.shape[1] - 1)].to(I64)
+    slots = state_table[req].cpu()[cols.clamp(min=0, max=state_table.shape[1] - 1)].to(I64)
     return start, stop - start, torch.where(stored, slots, torch.zeros_like(slots))
 
 
@@ -188,7 +205,21 @@ def build_extend_metadata(
     *,
     num_pages: int | None = None,
 ) -> AttentionMetadata:
-    """Metadata for an extend step (any prefix: chunked prefill is a prefix > 0), after alloc_extend."""
+    """Metadata for an extend step (any prefix: chunked prefill is a prefix > 0), after alloc_extend,
+    on the request tables' device."""
+    host = _extend_metadata(layout, req_pool, specs, bundle, num_pages=num_pages)
+    return host.to(req_pool.req_to_token.device)
+
+
+def _extend_metadata(
+    layout: Dsv4MemoryLayout,
+    req_pool: Dsv4ReqPool,
+    specs: Sequence[ExtendSpec],
+    bundle: DSV4OutCacheLoc,
+    *,
+    num_pages: int | None = None,
+) -> AttentionMetadata:
+    """`build_extend_metadata` on the host."""
     p = layout.page_size
     reqs = [s.req_idx for s in specs]
     seqs = [s.seq_len for s in specs]
@@ -262,10 +293,10 @@ def build_decode_metadata(
     """Decode metadata (every spec adds exactly one token), fixed shape per request, after alloc_decode."""
     if any(s.seq_len - s.prefix_len != 1 for s in specs):
         raise ValueError("decode steps add exactly one token per request")
-    ext = build_extend_metadata(layout, req_pool, specs, bundle, num_pages=num_pages)
+    ext = _extend_metadata(layout, req_pool, specs, bundle, num_pages=num_pages)
     ext.is_decode = True
     if ext.c4 is not None:
         ext.c4 = _compress_decode(4, ext.c4, specs)
     if ext.c128 is not None:
         ext.c128 = _compress_decode(128, ext.c128, specs)
-    return ext
+    return ext.to(req_pool.req_to_token.device)

@@ -141,7 +141,7 @@ class PagedSeqCache:
             used = pages[: -(-end // (self.page_size // ratio))]
             if bool((used == 0).any()):
                 raise IndexError(f"{name} rows [0, {end}) of request {self.req_idx} are not resident")
-            slots = row_slots(pages, torch.arange(end), ratio, self.page_size)
+            slots = row_slots(pages, torch.arange(end, device=pages.device), ratio, self.page_size)
             self._rows[(ratio, end)] = slots
         return flat.index_select(0, slots)
 

@@ -129,6 +129,11 @@ class TableWrites:
 
     def flush(self) -> None:
         for table, rows, cols, vals in self._by_table.values():
-            index = (torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64))
-            table.index_put_(index, torch.tensor(vals, dtype=table.dtype))
+            # One host-to-device copy for indices and values. An int32 table is written through its
+            # float32 view, bit for bit (a move, no arithmetic): Ascend's IndexPut refuses int32 values.
+            packed = torch.tensor([rows, cols, vals], dtype=torch.int64).to(table.device)
+            values = packed[2].to(table.dtype)
+            if table.dtype == torch.int32:
+                table, values = table.view(torch.float32), values.view(torch.float32)
+            table.index_put_((packed[0], packed[1]), values)
         self._by_table.clear()

@@ -48,10 +48,13 @@ def pack_linears(linears: list[nn.Linear]) -> Packed:
         raise ValueError("packed projections have no bias")
     weight = torch.cat([m.weight.detach() for m in linears])
     start = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight.data = weight[start : start + rows]  # a contiguous view: the packed rows
-        start += rows
+    with torch.no_grad():
+        for m in linears:
+            rows = m.weight.shape[0]
+            view = weight[start : start + rows]  # a contiguous view: the packed rows
+            # `set_`, a metadata op every backend has (`.data =` needs the same tensor type on both sides).
+            m.weight.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+            start += rows
     return Packed(weight, tuple(m.weight.shape[0] for m in linears))
 
 

@@ -341,8 +341,24 @@ def _resize_(self: torch.Tensor, size: list[int], memory_format: Any = None) -> 
     )
 
 
+def _rewrap_numbers(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """A Python number an op's Tensor argument took (`x % 4` runs `remainder.Tensor_out` with a
+    wrapped-number tensor) reaches a Python fallback as the plain number; the op wants it back as a
+    0-dim tensor. A real backend's C++ kernel sees the tensor."""
+    out = list(args)
+    for i, arg in enumerate(op._schema.arguments):
+        if str(arg.type) != "Tensor":
+            continue
+        if i < len(out) and isinstance(out[i], bool | int | float | complex):
+            out[i] = torch.tensor(out[i])
+        elif isinstance(kwargs.get(arg.name), bool | int | float | complex):
+            kwargs[arg.name] = torch.tensor(kwargs[arg.name])
+    return tuple(out)
+
+
 def _fallback(keyset: torch._C.DispatchKeySet, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     name = op._schema.name  # without the overload: "aten::index_put_"
+    args = _rewrap_numbers(op, args, kwargs)
     if name == "aten::resize_":
         return _resize_(*args, **kwargs)
     if name in ("aten::_copy_from", "aten::_copy_from_and_resize"):
