@@ -6,11 +6,11 @@ cap, the chunk and token budget rules) and rejects what cannot work, naming the 
 scheduler, the pools and the model runner then read their part from the result (`scheduler_config`,
 `pool_sizes`, `runner_options`) instead of each taking its own copy of the numbers.
 
-`kernels` says whether this engine uses the fused CPU kernels (`dsv4_engine.kernels`; default: on
-unless `DSV4_KERNELS=0`): the runner fixes its model's modules' choice with it
-(`Dsv4ForCausalLM.use_kernels`, `model.ops.KernelChoice`) and picks the decode attention backend by
-it, so every kind of step follows it and two engines in one process may differ. Without a C++ compiler (or with
-`DSV4_KERNELS=0`, which also keeps them from being built) they are off whatever it says.
+`kernels` says whether this engine uses the fused kernels (`dsv4_engine.kernels`: the CPU kernels on
+CPU, torch_npu's ops on NPU; default: on unless `DSV4_KERNELS=0`): the runner chooses its kernel set
+once with it (`choose_kernels`) and every kind of step runs that set, so two engines in one process may
+differ. Without a C++ compiler (or with `DSV4_KERNELS=0`, which also keeps them from being built) the
+CPU kernels are off whatever it says.
 """
 
 from __future__ import annotations

@@ -177,8 +177,8 @@ class EngineOptions:
     )
     kernels: bool | None = option(
         None,
-        help="whether this engine uses the fused CPU kernels (dsv4_engine.kernels; None: on unless "
-        "DSV4_KERNELS=0); engines in one process may differ",
+        help="whether this engine uses the fused kernels (dsv4_engine.kernels: the CPU kernels on CPU, "
+        "torch_npu's ops on NPU; None: on unless DSV4_KERNELS=0); engines in one process may differ",
     )
     prewarm: bool = option(
         True,

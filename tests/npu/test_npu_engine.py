@@ -1,7 +1,7 @@
 """The engine on `--device npu`, end to end on the reference torch_npu: weights, pools, request tables
 and every step's metadata live on the "npu" device, prefill is chunked, decode is batched, and the
-greedy tokens equal the CPU path's (both on the torch kernel set, the set an NPU engine chooses
-today), token for token. What it took: the request tables written through device tensors (an int32
+greedy tokens equal the CPU path's on the torch kernel set, token for token, with the NPU kernel set's
+torch_npu ops in the forward. What it took: the request tables written through device tensors (an int32
 table through its float32 view: Ascend's IndexPut refuses int32 values), extend metadata built on
 the host and moved to the tables' device, and packed decode weights rebound with `set_`."""
 
@@ -41,7 +41,7 @@ def test_greedy_on_npu_equals_the_cpu_path(
     checkpoint: Path, cpu_tokens: list[list[int]], torch_npu: ModuleType
 ) -> None:
     from dsv4_engine import LLM, SamplingParams
-    from dsv4_engine.kernels import TorchKernels
+    from dsv4_engine.kernels.npu import NpuDecodeKernels, NpuKernels
 
     llm = LLM(str(checkpoint), device="npu", enforce_eager=True, **OPTIONS)
     try:
@@ -49,7 +49,8 @@ def test_greedy_on_npu_equals_the_cpu_path(
         assert engine.engine_config.device.type == "npu"
         assert next(engine.model.parameters()).device.type == "npu"
         assert engine.req_pool.req_to_token.device.type == "npu"
-        assert type(engine.runner.kernels) is TorchKernels
+        assert type(engine.runner.kernels) is NpuKernels
+        assert type(engine.runner.decode_runner().kernels) is NpuDecodeKernels
         got = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6))]
         assert got == cpu_tokens
         m = engine.metrics()  # every page back

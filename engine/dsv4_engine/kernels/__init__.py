@@ -1,15 +1,16 @@
 """Kernel sets: which implementation of each op a forward runs, chosen once per engine.
 
     choose_kernels(device, enabled)      the engine's set (ModelRunner, from EngineConfig.kernels)
-          │                               CPU + enabled + built: CpuKernels; else TorchKernels
+          │                               CPU + enabled + built: CpuKernels; NPU: NpuKernels;
+          │                               else TorchKernels
           ├─ extend steps                 ForwardBatch(kernels=set)
           └─ set.for_decode(compiled)     the batched decode step's variant: DecodeBatch(kernels=...)
     every module's forward               batch.kernels.<op>(tensors, its own parameters)
 
 `base.KernelSet` lists the ops. `torch_forms.TorchKernels` is the reference torch code (what HF parity
 is tested on, and every other set's fallback); `cpu.CpuKernels` the fused C++ kernels
-(`build.available()`: built once a process on first use, never with `DSV4_KERNELS=0`). An NPU set
-(issue 39) subclasses `TorchKernels` with torch_npu's ops and is chosen here for `npu` devices.
+(`build.available()`: built once a process on first use, never with `DSV4_KERNELS=0`); `npu.NpuKernels`
+the torch set with torch_npu's fused ops where it has them (torch_npu imported only then).
 Tools that must see every aten op (FLOP counting) run the torch set.
 """
 
@@ -34,9 +35,14 @@ __all__ = [
 
 
 def choose_kernels(device: torch.device | str, enabled: bool = True) -> KernelSet:
-    """The kernel set for a model on `device`: the fused CPU kernels on CPU where `enabled` (an
-    engine's `kernels` option; default: what an engine with default options runs) and they build,
-    else the torch forms."""
-    if enabled and torch.device(device).type == "cpu" and available():
+    """The kernel set for a model on `device`: where `enabled` (an engine's `kernels` option;
+    default: what an engine with default options runs), the fused CPU kernels on CPU if they build
+    and torch_npu's ops on NPU; else the torch forms."""
+    kind = torch.device(device).type
+    if enabled and kind == "cpu" and available():
         return CpuKernels()
+    if enabled and kind == "npu":
+        from dsv4_engine.kernels.npu import NpuKernels  # imports torch_npu: only for an NPU
+
+        return NpuKernels()
     return TorchKernels()

@@ -341,7 +341,9 @@ def _resize_(self: torch.Tensor, size: list[int], memory_format: Any = None) -> 
     )
 
 
-def _rewrap_numbers(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+def _rewrap_numbers(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, ...]:
     """A Python number an op's Tensor argument took (`x % 4` runs `remainder.Tensor_out` with a
     wrapped-number tensor) reaches a Python fallback as the plain number; the op wants it back as a
     0-dim tensor. A real backend's C++ kernel sees the tensor."""
