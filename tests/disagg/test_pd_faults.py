@@ -394,16 +394,26 @@ def test_a_transfer_that_skipped_its_pages_fails_on_the_poison(s: dict[str, Any]
     pd.settle(P, D, initial=s["initial"])
 
 
+@pytest.mark.parametrize("first", ["prefill", "decode"])
 def test_a_prompt_that_differs_between_the_legs_fails_naming_it(
-    s: dict[str, Any], pd: Any, pool: Any
+    s: dict[str, Any], pd: Any, pool: Any, first: str
 ) -> None:
     """The room's prompt digests differ (a router bug, or a client reusing a room): both legs answer
-    400 naming the prompt, and both servers count the failure."""
+    400 naming the prompt, and both servers count the failure, whichever leg arrived first. Prefill
+    first, the decode's claim finds the mismatch; decode first (its claim waiting for the state), the
+    prefill finds it and the decode hears it relayed, which once answered 502."""
     P, D = s["PF"], s["DF"]
     b = body(P, pd, 40)
     other = {**b, "prompt": random_ids(40, seed=41)}
     failures = [_failures(x, "prompt_mismatch") for x in (P, D)]
-    fp, fd = pool.submit(post, P, b), pool.submit(post, D, other)
+    if first == "prefill":
+        fp = pool.submit(post, P, b)
+        pd.wait_until(lambda: depth(P, "bootstrap") == 1, 60, "the room to wait for a decode server")
+        fd = pool.submit(post, D, other)
+    else:
+        fd = pool.submit(post, D, other)
+        pd.wait_until(lambda: depth(D, "transfer") == 1, 60, "the decode to claim the room and wait")
+        fp = pool.submit(post, P, b)
     for r in (fp.result(timeout=120), fd.result(timeout=120)):
         assert r.status_code == 400, r.text
         assert (error(r)["param"], error(r)["code"]) == ("prompt", "pd_prompt_mismatch"), r.text

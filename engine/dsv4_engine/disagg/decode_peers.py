@@ -153,9 +153,7 @@ class PrefillPeers:
                 "bootstrap_unreachable", f"claiming room {target.room} at {peer.address}: {exc}"
             ) from exc
         if r.status_code != 200:
-            err = PdError.from_body(r.json())
-            err.status = 400 if err.reason in ("room_in_use", "prompt_mismatch") else 502
-            raise err
+            raise PdError.from_body(r.json())
 
     async def delete(self, target: PdTarget, reason: str, message: str) -> bool:
         """DELETE the room at its prefill; True if a write may still land (or nobody answered)."""

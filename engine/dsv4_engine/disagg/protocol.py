@@ -73,7 +73,14 @@ class PdError(Exception):
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> PdError:
-        return cls(str(body.get("reason", "peer_error")), str(body.get("message", body)), status=502)
+        """A peer's failure, relayed: the request's own faults stay 400 on this leg too, whichever leg
+        found them first (a prompt mismatch is found by the prefill or the decode, as the race goes)."""
+        reason = str(body.get("reason", "peer_error"))
+        return cls(reason, str(body.get("message", body)), status=400 if reason in CLIENT_ERRORS else 502)
+
+
+# Failures that are the request's fault, not a server's: a 400 on both legs.
+CLIENT_ERRORS = frozenset({"room_in_use", "prompt_mismatch"})
 
 
 @dataclass(frozen=True)
