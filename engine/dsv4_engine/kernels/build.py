@@ -49,8 +49,12 @@ def cache_dir() -> Path:
 def _build() -> None:
     from torch.utils import cpp_extension
 
-    if shutil.which("ninja") is None:  # pip's ninja sits beside this interpreter
-        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    # pip's ninja (a dependency) sits beside this interpreter: every process uses it, first on PATH.
+    # Two ninja versions hash the compile command differently, so a process finding Debian's 1.11 and
+    # one finding pip's 1.13 each rebuilt what the other built (35 s a start, seen in .ninja_log).
+    here = Path(sys.executable).parent
+    if (here / "ninja").exists() or shutil.which("ninja") is None:
+        os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
     out = cache_dir()
     out.mkdir(parents=True, exist_ok=True)
     # One build at a time, under a lock the kernel drops when its holder dies. torch's own lock is a
