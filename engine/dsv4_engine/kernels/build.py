@@ -30,6 +30,7 @@ SOURCES = tuple(
 )
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("rows.h", "simd.h"))
 CFLAGS = ("-O3",)
+NAME = "dsv4_cpu_kernels"  # the extension module, and its library's name in the cache folder
 KERNELS_ENV = "DSV4_KERNELS"  # "0": never build or use them (also the default of EngineConfig.kernels)
 _built: dict[str, bool] = {}  # "ok": whether the kernels loaded (decided once a process)
 _bound: list[Any] = []  # the built module (its direct bindings), once loaded
@@ -68,10 +69,10 @@ def _build() -> None:
             log.info("fused CPU kernels: waiting for another process's build in %s", out)
             fcntl.flock(held, fcntl.LOCK_EX)
         (out / "lock").unlink(missing_ok=True)
-        if not (out / "dsv4_cpu_kernels.so").exists():
+        if not (out / f"{NAME}.so").exists():
             log.info("fused CPU kernels: building into %s (a minute or more; once per version)", out)
         module = cpp_extension.load(
-            name="dsv4_cpu_kernels",
+            name=NAME,
             sources=[str(_staged_sources(out))],
             build_directory=str(out),
             extra_cflags=list(CFLAGS),

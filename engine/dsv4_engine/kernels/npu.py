@@ -3,8 +3,8 @@ path), so the rest of the forward runs as torch forms on the device until each g
 
 So far: RMSNorm (`npu_rms_norm`), the interleaved RoPE (`npu_rotary_mul`, rotary_mode 'interleave',
 with the position's cos/sin rows broadcast over heads, as the seed's `Dsv4NpuRoPE` feeds it) and the
-shared expert's SwiGLU (`npu_swiglu`, after DSV4's clamps). docs/npu.md lists each op's rules; tests/npu compares every op here with the CPU kernels
-through the reference torch_npu. torch_npu is imported when the set is built, which happens only
+shared expert's SwiGLU (`npu_swiglu`, after DSV4's clamps). docs/npu.md lists each op's rules;
+tests/npu compares every op here with the CPU kernels through the reference torch_npu. torch_npu is imported when the set is built, which happens only
 for an `npu` device (`choose_kernels`).
 """
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from dsv4_engine.kernels.base import KernelSet
 from dsv4_engine.kernels.torch_forms import StaticTorchKernels, TorchKernels
+from dsv4_engine.kernels.torch_ops import clamp_gate_up_
 
 Tensor = torch.Tensor
 
@@ -46,9 +47,7 @@ class _NpuOps:
 
     def shared_expert(self, x: Tensor, gate_up: Tensor, down: Tensor, limit: float) -> Tensor:
         h = F.linear(x, gate_up)
-        inter = h.shape[-1] // 2  # DSV4 clamps both halves before the SwiGLU the op computes
-        h[..., :inter].clamp_(max=limit)
-        h[..., inter:].clamp_(min=-limit, max=limit)
+        clamp_gate_up_(h, limit)  # DSV4's clamps first: the op computes a plain SwiGLU
         return F.linear(self.npu.npu_swiglu(h, dim=-1), down)
 
 

@@ -15,11 +15,17 @@ def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def clamp_gate_up_(h: Tensor, limit: float) -> tuple[Tensor, Tensor]:
+    """DSV4's SwiGLU clamps, in place on `h = [gate | up]`: gate at most `limit`, up within
+    +-`limit`. Returns the two halves (views of h)."""
+    inter = h.shape[-1] // 2
+    return h[..., :inter].clamp_(max=limit), h[..., inter:].clamp_(min=-limit, max=limit)
+
+
 def swiglu_(h: Tensor, limit: float) -> Tensor:
     """`swiglu` of `h = [gate | up]`, computed in h's own storage (returns a view of it)."""
-    inter = h.shape[-1] // 2
-    gate, up = h[..., :inter], h[..., inter:]
-    return F.silu(gate.clamp_(max=limit), inplace=True).mul_(up.clamp_(min=-limit, max=limit))
+    gate, up = clamp_gate_up_(h, limit)
+    return F.silu(gate, inplace=True).mul_(up)
 
 
 def dense_ids(ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
