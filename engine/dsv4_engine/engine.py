@@ -47,6 +47,7 @@ class StepOutput:
     # prompt's, entry i for prompt token i (None for the first, which nothing predicts).
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix cache (usage's cached_tokens)
 
 
 class LLMEngine:
@@ -307,9 +308,19 @@ class LLMEngine:
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges: num_running, num_waiting, num_preemptions, num_aborted,
-        prompt_tokens_total, generation_tokens_total, and per page family (full, swa, c4s, c128s)
-        pool_usage/<f> (fraction in use), pool_free/<f> and pool_total/<f> (pages)."""
-        return {k: float(v) for k, v in self.scheduler.metrics().items()}
+        prompt_tokens_total, generation_tokens_total, prefix_cache_queries and prefix_cache_hits
+        (prompt tokens admitted, and of those resumed from the cache), prefix_cache_nodes and
+        prefix_cache_snapshots, and per page family (full, swa, c4s, c128s) pool_usage/<f> (fraction
+        in use), pool_free/<f> and pool_total/<f> (pages)."""
+        out = {k: float(v) for k, v in self.scheduler.metrics().items()}
+        cache = self.allocator.prefix_cache
+        out["prefix_cache_nodes"] = float(cache.num_nodes if cache else 0)
+        out["prefix_cache_snapshots"] = float(cache.num_snapshots if cache else 0)
+        return out
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache; what running requests hold stays theirs."""
+        self.allocator.flush_cache()
 
     def close(self) -> None:
         """Stop the other ranks of a parallel server (nothing to do on one rank); idempotent."""
@@ -341,6 +352,7 @@ class LLMEngine:
                 continue
             done = rid in finished
             step = StepOutput(rid, [sampled[rid]], done, seq.finish_reason if done else None)
+            step.cached_tokens = seq.num_cached_tokens or 0
             if seq.params.logprobs is not None and seq.step_logprobs is not None:
                 step.logprobs = [seq.step_logprobs]
             if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1:

@@ -60,6 +60,7 @@ class EngineConfig:
     ep_size: int = 1
     kernels: bool = True
     prewarm: bool = True
+    prefix_cache: bool = True
 
     @classmethod
     def build(
@@ -110,6 +111,7 @@ class EngineConfig:
             ep_size=asked.ep_size,
             kernels=kernels,
             prewarm=asked.prewarm,
+            prefix_cache=not asked.disable_radix_cache,
         )
 
     @property
@@ -138,7 +140,11 @@ class EngineConfig:
     def pool_sizes(self, layout: Dsv4MemoryLayout) -> PoolSizes:
         """Pool sizes from `num_pages` (full pages; the other families by formula), an explicit byte
         budget, or by default a share of available memory capped at max_num_seqs full contexts."""
-        kw = {"max_reqs": self.max_num_seqs, "max_batched_tokens": self.max_num_batched_tokens}
+        kw = {
+            "max_reqs": self.max_num_seqs,
+            "max_batched_tokens": self.max_num_batched_tokens,
+            "snapshots": self.max_num_seqs if self.prefix_cache else 0,
+        }
         if self.num_pages is not None:
             return fixed_pool_sizes(layout, self.num_pages, **kw)
         budget = self.kv_cache_memory_bytes

@@ -23,6 +23,7 @@ class RequestOutput:
     # (the first prompt token's is None).
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens resumed from the prefix cache (vLLM's name)
 
 
 class LLM:
@@ -66,6 +67,7 @@ class LLM:
             i: [] if sp.logprobs is not None else None for i, sp in zip(ids, params, strict=True)
         }
         prompt_logprobs: dict[str, list[TokenLogprobs | None] | None] = dict.fromkeys(ids)
+        cached = dict.fromkeys(ids, 0)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 tokens[out.request_id].extend(out.new_token_ids)
@@ -73,6 +75,7 @@ class LLM:
                     logprobs[out.request_id].extend(out.logprobs)  # type: ignore[union-attr]
                 if out.prompt_logprobs is not None:
                     prompt_logprobs[out.request_id] = out.prompt_logprobs
+                cached[out.request_id] = out.cached_tokens
                 if out.finished:
                     reasons[out.request_id] = out.finish_reason
         return [
@@ -84,6 +87,7 @@ class LLM:
                 finish_reason=reasons[i],
                 logprobs=logprobs[i],
                 prompt_logprobs=prompt_logprobs[i],
+                num_cached_tokens=cached[i],
             )
             for i, p in zip(ids, prompt_ids, strict=True)
         ]

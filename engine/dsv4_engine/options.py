@@ -175,6 +175,12 @@ class EngineOptions:
         help="expert-parallel size (divides --tp-size): routed experts split this many ways, each "
         "expert's intermediate size --tp-size / --ep-size ways",
     )
+    disable_radix_cache: bool = option(
+        False,
+        "--disable-radix-cache",  # SGLang's spelling
+        help="no prefix cache: every request prefills its whole prompt (default: a request resumes "
+        "from the longest cached page-aligned prefix of its prompt, SGLang's radix cache)",
+    )
     kernels: bool | None = option(
         None,
         help="whether this engine uses the fused kernels (dsv4_engine.kernels: the CPU kernels on CPU, "

@@ -72,7 +72,9 @@ class Rank:
 
 def build_rank(cfg: EngineConfig, model: Dsv4ForCausalLM, sizes: PoolSizes) -> Rank:
     layout = Dsv4MemoryLayout.from_config(model.config, page_size=cfg.page_size, kv_dtype=cfg.dtype)
-    memory = PagedMemory.build(layout, sizes, cfg.max_num_seqs, cfg.max_model_len, cfg.device)
+    memory = PagedMemory.build(
+        layout, sizes, cfg.max_num_seqs, cfg.max_model_len, cfg.device, prefix_cache=cfg.prefix_cache
+    )
     runner = ModelRunner(model, memory.kv, memory.allocator, **cfg.runner_options())
     return Rank(model, layout, memory, runner)
 

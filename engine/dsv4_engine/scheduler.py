@@ -12,6 +12,11 @@ Each step:
    `max_num_seqs` running, and free full pages for the request's whole context). A chunk is at most
    `chunk_size` tokens; a chunk that does not reach the end of the known tokens ends on a page
    boundary (a budget-limited chunk is rounded down), so only the ratio-4 overlap ever crosses chunks.
+   With the prefix cache, an admitted request starts from the longest cached prefix of its tokens,
+   and its chunks also end where the cache should get a snapshot (`Sequence.cache_cuts`). A request
+   that shares more of its prompt with one still prefilling than the cache holds waits for it
+   (n > 1, a burst on one system prompt): that prefill ends a chunk where they part, and the waiting
+   request resumes from there instead of prefilling the shared part again.
 3. One `alloc_extend` for the whole step returns the bundle the forward writes to.
 
 The caller runs the forward, samples a token for every chunk with `sample=True`, and hands them to
@@ -61,6 +66,10 @@ class Sequence:
     # token sampled by the latest step.
     prompt_logprobs: list[Any] = field(default_factory=list)
     step_logprobs: Any = None
+    # Prefix cache: prompt tokens its first admission resumed from the cache (None: not admitted yet),
+    # and the positions where its chunks end so the cache can keep a snapshot there.
+    num_cached_tokens: int | None = None
+    cache_cuts: set[int] = field(default_factory=set)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -138,6 +147,8 @@ class Scheduler:
         self.counters = {"num_preemptions": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0}
         self.counters["num_aborted"] = 0
         self.counters["forwarded_tokens_total"] = 0
+        self.counters["prefix_cache_queries"] = 0  # prompt tokens of admitted requests (vLLM's counters)
+        self.counters["prefix_cache_hits"] = 0  # of which resumed from the cache
 
     # ---- requests ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -210,7 +221,7 @@ class Scheduler:
     def _fits(self, planned: dict[str, int], spec: ExtendSpec) -> dict[str, int] | None:
         need = self.allocator.pages_needed([spec])
         total = {f: planned[f] + need[f] for f in FAMILIES}
-        free = self.allocator.num_free()
+        free = self.allocator.num_available()
         return total if all(total[f] <= free[f] for f in FAMILIES) else None
 
     def _victims(self, exclude: set[str]) -> list[Sequence]:
@@ -277,9 +288,12 @@ class Scheduler:
                 break
             planned = self._planned_after(specs)
             budget -= chunks[-1].end - chunks[-1].start
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            free_full = self.allocator.pools["full"].num_free - planned["full"]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if self._awaits_shared_prefill(seq):
+                continue
+            free_full = self.allocator.num_available()["full"] - planned["full"]
             # Admission: the pools must hold every known token of the request (prompt, and the
             # outputs of a preempted one); decode growth is covered by preemption.
             if (
@@ -288,11 +302,16 @@ class Scheduler:
             ):
                 break
             seq.req_idx = self.allocator.alloc_request()
+            hit = self._resume_cached(seq)
             if not self._add_chunk(seq, budget, planned, chunks, specs):
                 self.allocator.free(seq.req_idx)
-                seq.req_idx = None
+                seq.req_idx, seq.num_computed, seq.cache_cuts = None, 0, set()
                 break
-            self.waiting.popleft()
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = min(hit, len(seq.prompt_token_ids))
+                self.counters["prefix_cache_queries"] += len(seq.prompt_token_ids)
+                self.counters["prefix_cache_hits"] += seq.num_cached_tokens
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             planned = self._planned_after(specs)
@@ -302,6 +321,46 @@ class Scheduler:
             return None
         bundle = self.allocator.alloc_extend(specs)
         return SchedulerOutput(chunks=chunks, specs=specs, bundle=bundle, preempted=preempted)
+
+    # ---- the prefix cache ------------------------------------------------------------------------
+    def _cache_limit(self, seq: Sequence) -> int:
+        """Positions seq may resume from the cache: all but the last known token (its logits are the
+        next token's), none when it asks for the prompt's logprobs (every position's logits)."""
+        return 0 if seq.params.prompt_logprobs is not None else seq.num_tokens - 1
+
+    def _resume_cached(self, seq: Sequence) -> int:
+        """Start a just-admitted request from the longest cached prefix of its tokens; choose where
+        its chunks end so the cache gets a snapshot: where its tokens leave the cached pages (a shared
+        system prompt's junction), and the last page boundary a request with the same prompt can
+        resume from (n > 1, a retry, the next turn of a chat). Returns the positions resumed."""
+        assert seq.req_idx is not None
+        if self.allocator.prefix_cache is None:
+            return 0
+        p = self.config.page_size
+        hit = self.allocator.match_prefix(seq.req_idx, seq.all_token_ids, self._cache_limit(seq))
+        seq.num_computed = hit.length
+        last = (len(seq.prompt_token_ids) - 1) // p * p
+        seq.cache_cuts = {c for c in (hit.matched, last) if c > hit.length}
+        return hit.length
+
+    def _awaits_shared_prefill(self, seq: Sequence) -> bool:
+        """Whether seq should wait for a running prefill that will put more of its prompt in the cache
+        than is there now. That prefill gets a chunk end (a snapshot) where the two prompts part."""
+        cache = self.allocator.prefix_cache
+        p = self.config.page_size
+        limit = self._cache_limit(seq) // p * p
+        if cache is None or limit == 0:
+            return False
+        tokens = seq.all_token_ids
+        have = cache.match(tokens, limit, touch=False).length
+        for other in self.running:
+            if other.num_computed >= len(other.prompt_token_ids) or other.num_computed + p > limit:
+                continue  # not prefilling, or already past anything seq could share
+            shared = _shared_pages(other.prompt_token_ids, tokens, p, limit // p) * p
+            if shared > max(have, other.num_computed):
+                other.cache_cuts.add(shared)
+                return True
+        return False
 
     def _planned_after(self, specs: list[ExtendSpec]) -> dict[str, int]:
         return self.allocator.pages_needed(specs)
@@ -320,6 +379,7 @@ class Scheduler:
         end = seq.num_computed + min(seq.num_pending, limit)
         if end < seq.num_tokens:
             end = (end // p) * p  # non-final chunks end on a page boundary
+        end = min((c for c in seq.cache_cuts if seq.num_computed < c < end), default=end)
         if end <= seq.num_computed:
             return False
         if self._fits(planned, self._spec(seq, end)) is None:
@@ -340,6 +400,8 @@ class Scheduler:
             seq.num_computed = chunk.end
             seq.num_forwarded += chunk.end - chunk.start
             self.counters["forwarded_tokens_total"] += chunk.end - chunk.start
+            if chunk.end in seq.cache_cuts or (chunk.sample and not chunk.is_decode):
+                self._offer_to_cache(seq, chunk.end)
             if not chunk.sample:
                 continue
             if not seq.prompt_counted:
@@ -352,6 +414,13 @@ class Scheduler:
             if reason is not None:
                 finished.append(self._finish(seq, reason))
         return finished
+
+    def _offer_to_cache(self, seq: Sequence, end: int) -> None:
+        """After a chunk that ended at `end`: the cache takes the page-aligned computed prefix (with a
+        snapshot when `end` itself is page-aligned)."""
+        p = self.config.page_size
+        if self.allocator.prefix_cache is not None and seq.req_idx is not None and end >= p:
+            self.allocator.cache_prefix(seq.req_idx, seq.all_token_ids[: end // p * p])
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -373,3 +442,11 @@ class Scheduler:
         if reason == "abort":
             self.counters["num_aborted"] += 1
         return seq
+
+
+def _shared_pages(a: list[int], b: list[int], page: int, most: int) -> int:
+    """How many leading pages of `page` tokens a and b have in common, at most `most`."""
+    n, most = 0, min(most, len(a) // page, len(b) // page)
+    while n < most and a[n * page : (n + 1) * page] == b[n * page : (n + 1) * page]:
+        n += 1
+    return n

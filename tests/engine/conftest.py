@@ -31,6 +31,11 @@ def make_llm(checkpoints: dict[str, Path]) -> Callable[..., LLM]:
 
 
 def _assert_released(llm: LLM) -> None:
+    # No request holds a page: each is free or held by the prefix cache alone, and flushing the cache
+    # frees them all.
+    pools, available = llm.engine.allocator.pools, llm.engine.allocator.num_available()
+    assert all(available[fam] == pools[fam].num_pages for fam in pools), available
+    llm.engine.flush_cache()
     m = llm.engine.metrics()
     for fam in ("full", "swa", "c4s", "c128s"):
         assert m[f"pool_total/{fam}"] > 0, fam

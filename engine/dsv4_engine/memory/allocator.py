@@ -13,6 +13,11 @@ The allocator owns the request pool's rows: `alloc_request` hands one out, `free
 releases it (every page of every family, then the zeroed row). A row can be pinned while something
 outside the engine still reads its pages (a PD transfer): a pinned row is never freed; `free` then
 defers to the last `unpin`.
+
+It also owns the prefix cache (prefix_cache.py), when enabled: `match_prefix` starts a new row from
+the longest cached prefix, sharing its pages; `cache_prefix` offers a row's computed prefix to it. The
+cache's pages that no request holds count as available (`num_available`): an allocation short of
+free pages evicts them first, so a cached prefix never makes a request wait or be preempted.
 """
 
 from __future__ import annotations
@@ -25,9 +30,17 @@ import torch
 from .layout import Dsv4MemoryLayout
 from .out_cache_loc import DSV4OutCacheLoc, ExtendSpec
 from .page_pool import OutOfPages, PagePool
+from .prefix_cache import PrefixCache, PrefixHit, Snapshot
 from .req_to_token import Dsv4ReqPool, TableWrites
 from .sizing import PoolSizes
-from .state_tail import cdiv, state_alloc_offset, state_keep_from, swa_keep_from, swa_window_start
+from .state_tail import (
+    cdiv,
+    state_alloc_offset,
+    state_keep_from,
+    state_read_range,
+    swa_keep_from,
+    swa_window_start,
+)
 
 FAMILIES = ("full", "swa", "c4s", "c128s")
 
@@ -62,7 +75,9 @@ def _rows(full: list[int], p: int, ratio: int, prefix: int, seq: int) -> list[in
 
 
 class Dsv4Allocator:
-    def __init__(self, layout: Dsv4MemoryLayout, sizes: PoolSizes, req_pool: Dsv4ReqPool) -> None:
+    def __init__(
+        self, layout: Dsv4MemoryLayout, sizes: PoolSizes, req_pool: Dsv4ReqPool, *, prefix_cache: bool = False
+    ) -> None:
         self.layout = layout
         self.page_size = layout.page_size
         self.req_pool = req_pool
@@ -80,6 +95,7 @@ class Dsv4Allocator:
         self._journal: list[tuple[str, tuple]] | None = None
         self._pins: dict[int, int] = {}  # row -> pins (PD writes queued or in flight that read it)
         self._deferred: set[int] = set()  # rows freed while pinned: freed at their last unpin
+        self.prefix_cache = PrefixCache(self.pools, self.page_size) if prefix_cache else None
 
     # ---- replication (parallel/: the other ranks of a server mirror rank 0's pages) -------------
     def record(self) -> None:
@@ -105,6 +121,12 @@ class Dsv4Allocator:
                 self.alloc_prealloc(*args)
             elif name == "free":
                 self.free(*args)
+            elif name == "match_prefix":
+                self.match_prefix(*args)
+            elif name == "cache_prefix":
+                self.cache_prefix(*args)
+            elif name == "flush_cache":
+                self.flush_cache()
             else:
                 raise ValueError(f"unknown journal entry {name!r}")
 
@@ -144,6 +166,10 @@ class Dsv4Allocator:
 
     def num_free(self) -> dict[str, int]:
         return {name: pool.num_free for name, pool in self.pools.items()}
+
+    def num_available(self) -> dict[str, int]:
+        """Free pages plus the cache's pages no request holds (an allocation evicts those first)."""
+        return {name: pool.num_free + pool.num_evictable for name, pool in self.pools.items()}
 
     def usage(self) -> dict[str, float]:
         return {name: pool.usage() for name, pool in self.pools.items()}
@@ -212,18 +238,30 @@ class Dsv4Allocator:
             **{fam: max(0, hold[fam] - len(getattr(r, fam))) for fam in ("swa", "c4s", "c128s")},
         }
 
+    def _net(self, plans: Sequence[_Plan]) -> dict[str, int]:
+        """Pages per family the plans take, less the releases that make a page free or evictable
+        (a page another request also holds is counted as staying taken)."""
+        pools = self.pools
+        return {
+            fam: sum(
+                len(pl.need[fam]) - sum(pools[fam].releasable(pg) for _, pg in pl.free[fam]) for pl in plans
+            )
+            for fam in FAMILIES
+        }
+
     def pages_needed(self, specs: Sequence[ExtendSpec]) -> dict[str, int]:
         """Net pages per family a batch step takes (allocations minus releases)."""
-        totals = dict.fromkeys(FAMILIES, 0)
-        for spec in specs:
-            plan = self._plan(spec)
-            for fam in FAMILIES:
-                totals[fam] += len(plan.need[fam]) - len(plan.free[fam])
-        return totals
+        return self._net([self._plan(spec) for spec in specs])
 
     def can_alloc(self, specs: Sequence[ExtendSpec]) -> bool:
-        needed = self.pages_needed(specs)
-        return all(needed[f] <= self.pools[f].num_free for f in FAMILIES)
+        needed, available = self.pages_needed(specs), self.num_available()
+        return all(needed[f] <= available[f] for f in FAMILIES)
+
+    def _make_room(self, need: dict[str, int]) -> None:
+        """Evict cached prefixes until each family has `need` free pages (or nothing is left to evict)."""
+        if self.prefix_cache is not None:
+            for fam, n in need.items():
+                self.prefix_cache.evict(fam, n)
 
     # ---- allocation ----------------------------------------------------------------------------
     def alloc_extend(self, specs: Sequence[ExtendSpec]) -> DSV4OutCacheLoc:
@@ -231,20 +269,22 @@ class Dsv4Allocator:
         if len({s.req_idx for s in specs}) != len(specs):
             raise ValueError("a request may appear once per step")
         plans = [self._plan(s) for s in specs]
+        net, available = self._net(plans), self.num_available()
         for fam in FAMILIES:
-            net = sum(len(pl.need[fam]) - len(pl.free[fam]) for pl in plans)
-            if net > self.pools[fam].num_free:
-                raise OutOfPages(f"{fam} pool: step needs {net} more pages, {self.pools[fam].num_free} free")
+            if net[fam] > available[fam]:
+                raise OutOfPages(f"{fam} pool: step needs {net[fam]} more pages, {available[fam]} available")
+        gross = {fam: sum(len(pl.need[fam]) for pl in plans) for fam in FAMILIES}
         # Releases and allocations of the whole batch go in two phases: per request, an earlier request
         # could need pages only a later one releases. When the batch fits without its own releases,
         # allocate first so it does not take back pages it just released: new pages then follow the
         # ones a request already holds (contiguous runs, cheaper PD transfers) instead of filling holes.
-        gross_fits = all(
-            sum(len(pl.need[fam]) for pl in plans) <= self.pools[fam].num_free for fam in FAMILIES
-        )
+        # Short of free pages, the releases go first: a page this step releases that the cache also
+        # holds becomes evictable only then, and eviction then frees what the step takes.
+        gross_fits = all(gross[fam] <= self.pools[fam].num_free for fam in FAMILIES)
         if not gross_fits:
             for spec, plan in zip(specs, plans, strict=True):
                 self._release(spec, plan)
+            self._make_room(gross)
         writes = TableWrites()
         for spec, plan in zip(specs, plans, strict=True):
             self._apply(spec, plan, writes)
@@ -267,6 +307,7 @@ class Dsv4Allocator:
         if req_idx in self._reqs:
             raise ValueError(f"request {req_idx} already holds memory")
         need = self._hold_plan(seq_len)
+        self._make_room({fam: len(ks) for fam, ks in need.items()})
         for fam in FAMILIES:
             if len(need[fam]) > self.pools[fam].num_free:
                 raise OutOfPages(
@@ -318,13 +359,18 @@ class Dsv4Allocator:
             held = getattr(r, fam)
             for k, pg in zip(ks, pages, strict=True):
                 held[k] = pg
-                lo, hi = k * p, min((k + 1) * p, self.max_ctx)
-                tables[fam][idx, lo:hi] = torch.arange(pg * p, pg * p + hi - lo, dtype=torch.int32)
+                self._map_page(tables[fam], idx, k, pg)
         prefix, seq = spec.prefix_len, spec.seq_len
         writes.add(pool.req_to_token, idx, prefix, _slots(r.full, p, prefix, seq))
         for ratio, table in ((4, pool.req_to_token_c4), (128, pool.req_to_token_c128)):
             writes.add(table, idx, prefix // ratio, _rows(r.full, p, ratio, prefix, seq))
         r.seq_len = seq
+
+    def _map_page(self, table: torch.Tensor, idx: int, k: int, page: int) -> None:
+        """Point positions [kP, (k+1)P) of a paged table's row at `page` (a page-wide entry)."""
+        p = self.page_size
+        lo, hi = k * p, min((k + 1) * p, self.max_ctx)
+        table[idx, lo:hi] = torch.arange(page * p, page * p + hi - lo, dtype=torch.int32)
 
     def _bundle(self, specs: Sequence[ExtendSpec]) -> DSV4OutCacheLoc:
         """The step's slots, computed from the pages each request holds (the same values `_apply`
@@ -357,6 +403,68 @@ class Dsv4Allocator:
                 out.out_c128_state_loc,
             ) = (torch.tensor(x, dtype=torch.int64) for x in (full, swa, c4, c128, c4s, c128s))
         return out
+
+    # ---- the prefix cache ---------------------------------------------------------------------------
+    def match_prefix(self, req_idx: int, tokens: Sequence[int], limit: int) -> PrefixHit:
+        """Start a new row from the longest cached prefix of tokens[:limit]: the row shares its pages
+        (its tables written as if it had prefilled them) and its next step starts at `hit.length`."""
+        self._check_row(req_idx)
+        if req_idx in self._reqs:
+            raise ValueError(f"request {req_idx} already holds memory")
+        if self.prefix_cache is None:
+            return PrefixHit()
+        hit = self.prefix_cache.match(tokens, limit)
+        self._log("match_prefix", req_idx, list(tokens[: hit.matched]), hit.matched)
+        if not hit.length:
+            return hit
+        p, pool, n = self.page_size, self.req_pool, hit.length
+        r = self._reqs[req_idx] = _ReqPages(seq_len=n, full=list(hit.full))
+        self.pools["full"].share(r.full)
+        tables = self._paged_tables()
+        for fam, pages in hit.snapshot.items():
+            self.pools[fam].share(list(pages.values()))
+            setattr(r, fam, dict(pages))
+            for k, pg in pages.items():
+                self._map_page(tables[fam], req_idx, k, pg)
+        writes = TableWrites()
+        writes.add(pool.req_to_token, req_idx, 0, _slots(r.full, p, 0, n))
+        for ratio, table in ((4, pool.req_to_token_c4), (128, pool.req_to_token_c128)):
+            writes.add(table, req_idx, 0, _rows(r.full, p, ratio, 0, n))
+        writes.flush()
+        return hit
+
+    def cache_prefix(self, req_idx: int, tokens: Sequence[int]) -> None:
+        """Offer the row's computed positions [0, len(tokens)) (page-aligned) to the cache. When the
+        row's last step ended exactly there, its SWA window and compressor state at that boundary go
+        with them (a snapshot a later request can resume from); otherwise only the full pages."""
+        if self.prefix_cache is None:
+            return
+        r = self._reqs[req_idx]
+        n = len(tokens)
+        if n % self.page_size or not 0 < n <= r.seq_len:
+            raise ValueError(f"request {req_idx}: cannot cache {n} of its {r.seq_len} positions")
+        self.prefix_cache.insert(tokens, r.full[: n // self.page_size], self._snapshot(r, n))
+        self._log("cache_prefix", req_idx, list(tokens))
+
+    def _snapshot(self, r: _ReqPages, n: int) -> Snapshot | None:
+        """The SWA and state pages a request resuming at n reads, if the row holds all of them now."""
+        if r.seq_len != n:  # the state at n was a tail the row has moved past
+            return None
+        p = self.page_size
+        want = {"swa": range(swa_keep_from(n, self.layout.window) // p, n // p)}
+        for fam, ratio in self._state_ratio.items():
+            lo, hi = state_read_range(ratio, n)
+            want[fam] = range(lo // p, cdiv(hi, p)) if self._active[fam] and hi > lo else range(0)
+        held = {"swa": r.swa, "c4s": r.c4s, "c128s": r.c128s}
+        if any(k not in held[fam] for fam, ks in want.items() for k in ks):
+            return None
+        return {fam: {k: held[fam][k] for k in ks} for fam, ks in want.items() if ks}
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (SGLang's /flush_cache): every page only it held is free again."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+            self._log("flush_cache")
 
     # ---- pins (PD: a transfer reading the row's pages) -------------------------------------------
     def pin(self, req_idx: int) -> None:
@@ -395,7 +503,7 @@ class Dsv4Allocator:
 
     def _free_now(self, req_idx: int) -> None:
         r = self._reqs.pop(req_idx, None)
-        if r is not None:
+        if r is not None:  # pages shared with the cache or other rows only lose this holder
             self.pools["full"].free(r.full)
             for fam in ("swa", "c4s", "c128s"):
                 self.pools[fam].free(list(getattr(r, fam).values()))

@@ -31,6 +31,7 @@ class PagedMemory:
         device: str | torch.device = "cpu",
         *,
         pre_alloc_rows: int = 0,
+        prefix_cache: bool = False,
     ) -> PagedMemory:
         """Pools of `sizes` on `device` and `max_reqs` request rows. On `meta` the pools are only sized
         (nothing allocated) while the tables stay on the host, where the allocator reads them.
@@ -46,4 +47,5 @@ class PagedMemory:
             if pre_alloc_rows > 0
             else Dsv4ReqToTokenPool(max_reqs, max_ctx, table_device)
         )
-        return cls(layout, sizes, kv, req_pool, Dsv4Allocator(layout, sizes, req_pool))
+        allocator = Dsv4Allocator(layout, sizes, req_pool, prefix_cache=prefix_cache)
+        return cls(layout, sizes, kv, req_pool, allocator)

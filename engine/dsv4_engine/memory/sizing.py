@@ -14,12 +14,17 @@ Four page families share one page size P (a multiple of 128); page 0 of each is 
     bytes/C128 state = P * n_c128 * 2D * 4
 
     swa_pages        = max_reqs * (ceil(window / P) + 2) + ceil(max_batched_tokens / P)
-    c4_state_pages   = max_reqs * state_pages_per_req(4)   + 2 * max_prefill_reqs
+                       + snapshots * ceil(window / P)
+    c4_state_pages   = max_reqs * state_pages_per_req(4)   + 2 * max_prefill_reqs + snapshots
     c128_state_pages = max_reqs * state_pages_per_req(128) + 2 * max_prefill_reqs
     full_pages       = floor((budget - swa, state bytes - table bytes) / bytes per full page)
 
 state_pages_per_req(r) = max(2, ceil(1.8 r / P) + 1) is the seed's; a request in chunked prefill can
 briefly hold two more (its previous tail and the new one), hence the prefill slack.
+
+`snapshots` is how many prefix-cache snapshots the pools keep room for beyond the running requests'
+share (prefix_cache.py): each holds the SWA pages of one window and one C4 state page (the block
+before a page boundary; C128 has none at a multiple of 128).
 """
 
 from __future__ import annotations
@@ -89,12 +94,14 @@ def fixed_pool_sizes(
     max_reqs: int,
     max_batched_tokens: int,
     max_prefill_reqs: int | None = None,
+    snapshots: int = 0,
 ) -> PoolSizes:
     """The SWA and state families by the formula above, with full_pages given."""
     p = layout.page_size
     prefill_reqs = max_reqs if max_prefill_reqs is None else max_prefill_reqs
     swa = max_reqs * swa_pages_per_req(layout.window, p) + cdiv(max_batched_tokens, p)
-    c4s = (max_reqs * state_pages_per_req(4, p) + 2 * prefill_reqs) if layout.c4_layers else 0
+    swa += snapshots * cdiv(layout.window, p)
+    c4s = (max_reqs * state_pages_per_req(4, p) + 2 * prefill_reqs + snapshots) if layout.c4_layers else 0
     c128s = (max_reqs * state_pages_per_req(128, p) + 2 * prefill_reqs) if layout.c128_layers else 0
     return PoolSizes(full_pages=full_pages, swa_pages=swa, c4_state_pages=c4s, c128_state_pages=c128s)
 
@@ -117,11 +124,17 @@ def plan_pool_sizes(
     max_ctx: int,
     max_batched_tokens: int,
     max_prefill_reqs: int | None = None,
+    snapshots: int = 0,
 ) -> PoolSizes:
     """Split budget_bytes between the four families (formula in the module docstring)."""
     p = layout.page_size
     fixed_sizes = fixed_pool_sizes(
-        layout, 0, max_reqs=max_reqs, max_batched_tokens=max_batched_tokens, max_prefill_reqs=max_prefill_reqs
+        layout,
+        0,
+        max_reqs=max_reqs,
+        max_batched_tokens=max_batched_tokens,
+        max_prefill_reqs=max_prefill_reqs,
+        snapshots=snapshots,
     )
     per_full = full_page_bytes(layout)
     fixed = pool_bytes(layout, fixed_sizes) - per_full + table_bytes(max_reqs, max_ctx)

@@ -1,0 +1,182 @@
+"""The prefix cache: a radix tree over page-aligned token ids, kept by the allocator.
+
+A DSV4 prefix is more than KV pages. To resume prefill at a page boundary P exactly as if [0, P) had
+just been prefilled, a request needs:
+- the full pages of [0, P): C4, indexer and C128 rows. Their content never changes once written, so
+  requests can share them like KV pages.
+- the SWA pages of the last window before P. Older SWA pages have already been given back.
+- the C4 compressor state of block [P-4, P), the overlap half of the next block. C128 has no partial
+  block at a multiple of 128 (a page is), so it needs none.
+The last two exist only at a boundary where one of the request's chunks ended, and only until the
+request moves past its window. The node for P keeps them as a snapshot. A match resumes at the
+deepest node that has a snapshot. The matched full pages beyond it show where a new snapshot would
+pay off (a shared system prompt's junction); the scheduler ends a chunk there.
+
+Nothing is copied. Every page covering positions < P is written once and never again, so the cache
+holds each page as one more holder (`PagePool` counts holders) and a resumed request shares it.
+A page is freed only when its last holder lets it go, so eviction never takes a page from a
+running request.
+
+Eviction is LRU on a logical clock. The clock is deterministic, so the replicated allocators of a
+tensor-parallel server evict the same nodes. To free full pages it removes leaves; to free SWA or
+state pages it drops snapshots and keeps the node's full page, which can still show a junction.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .page_pool import PagePool
+
+Snapshot = dict[str, dict[int, int]]  # family ("swa", "c4s", "c128s") -> {page index: page}
+
+
+@dataclass(eq=False)
+class _Node:
+    parent: _Node | None
+    key: tuple[int, ...]  # the page's tokens
+    page: int  # full page of positions [(depth - 1) P, depth P)
+    depth: int  # pages from the root
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    snapshot: Snapshot | None = None  # what resuming at depth * P needs besides the full pages
+    last_used: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A match: resume at `length` (0: nothing cached) with `full` and `snapshot`'s pages;
+    `matched` tokens (>= length) have their full pages cached."""
+
+    length: int = 0
+    full: tuple[int, ...] = ()
+    snapshot: Snapshot = field(default_factory=dict)
+    matched: int = 0
+
+
+class PrefixCache:
+    def __init__(self, pools: Mapping[str, PagePool], page_size: int) -> None:
+        self.pools = pools
+        self.page_size = page_size
+        self.root = _Node(parent=None, key=(), page=0, depth=0)
+        self._clock = itertools.count(1)
+        self.num_nodes = 0
+        self.num_snapshots = 0
+
+    def _page_key(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+        p = self.page_size
+        return tuple(tokens[k * p : (k + 1) * p])
+
+    def _path(self, tokens: Sequence[int], limit: int) -> list[_Node]:
+        """The cached nodes of tokens' first pages, up to `limit` tokens."""
+        node, path = self.root, []
+        for k in range(min(limit, len(tokens)) // self.page_size):
+            child = node.children.get(self._page_key(tokens, k))
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        return path
+
+    def match(self, tokens: Sequence[int], limit: int, *, touch: bool = True) -> PrefixHit:
+        """The longest resumable prefix of tokens[:limit] (a node with a snapshot)."""
+        path = self._path(tokens, limit)
+        best = max((i + 1 for i, n in enumerate(path) if n.snapshot is not None), default=0)
+        if touch and path:
+            now = next(self._clock)
+            for n in path:
+                n.last_used = now
+        if best == 0:
+            return PrefixHit(matched=len(path) * self.page_size)
+        snap = path[best - 1].snapshot
+        assert snap is not None
+        return PrefixHit(
+            length=best * self.page_size,
+            full=tuple(n.page for n in path[:best]),
+            snapshot={fam: dict(pages) for fam, pages in snap.items()},
+            matched=len(path) * self.page_size,
+        )
+
+    def insert(self, tokens: Sequence[int], full: Sequence[int], snapshot: Snapshot | None) -> None:
+        """Cache tokens (page-aligned) with their full pages and, when given, the snapshot at their end.
+        Pages already cached for the same tokens stay; the caller's duplicates stay the caller's."""
+        n = len(tokens) // self.page_size
+        if n * self.page_size != len(tokens) or len(full) < n:
+            raise ValueError(f"insert needs page-aligned tokens and their pages: {len(tokens)}, {len(full)}")
+        now = next(self._clock)
+        node = self.root
+        for k in range(n):
+            key = self._page_key(tokens, k)
+            child = node.children.get(key)
+            if child is None:
+                self.pools["full"].cache_hold(full[k])
+                child = node.children[key] = _Node(parent=node, key=key, page=full[k], depth=k + 1)
+                self.num_nodes += 1
+            child.last_used = now
+            node = child
+        if n and snapshot is not None and node.snapshot is None:
+            for fam, pages in snapshot.items():
+                for page in pages.values():
+                    self.pools[fam].cache_hold(page)
+            node.snapshot = {fam: dict(pages) for fam, pages in snapshot.items()}
+            self.num_snapshots += 1
+
+    # ---- giving pages back -----------------------------------------------------------------------
+    def _drop_snapshot(self, node: _Node) -> None:
+        assert node.snapshot is not None
+        for fam, pages in node.snapshot.items():
+            for page in pages.values():
+                self.pools[fam].cache_drop(page)
+        node.snapshot = None
+        self.num_snapshots -= 1
+
+    def _remove_leaf(self, node: _Node) -> _Node | None:
+        """Remove a leaf; its parent when that became a leaf (a new eviction candidate)."""
+        assert not node.children and node.parent is not None
+        if node.snapshot is not None:
+            self._drop_snapshot(node)
+        self.pools["full"].cache_drop(node.page)
+        parent = node.parent
+        del parent.children[node.key]
+        self.num_nodes -= 1
+        return parent if parent is not self.root and not parent.children else None
+
+    def _nodes(self) -> list[_Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def evict(self, family: str, want_free: int) -> None:
+        """Give back least recently used entries until `family` has `want_free` free pages, or the
+        cache holds nothing more of it. Entries whose pages requests still hold free nothing now,
+        but go as well, in LRU order (they are the most recently used, so they go last)."""
+        pool = self.pools[family]
+        if pool.num_free >= want_free:
+            return
+        if family == "full":
+            heap = [(n.last_used, id(n), n) for n in self._nodes() if not n.children]
+        else:
+            heap = [(n.last_used, id(n), n) for n in self._nodes() if n.snapshot and n.snapshot.get(family)]
+        heapq.heapify(heap)
+        while heap and pool.num_free < want_free:
+            _, _, node = heapq.heappop(heap)
+            if family != "full":
+                self._drop_snapshot(node)
+                continue
+            parent = self._remove_leaf(node)
+            if parent is not None:
+                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+
+    def flush(self) -> None:
+        """Drop every entry (pages running requests hold stay theirs)."""
+        for node in self._nodes():
+            if node.snapshot is not None:
+                self._drop_snapshot(node)
+            self.pools["full"].cache_drop(node.page)
+        self.root.children = {}
+        self.num_nodes = 0

@@ -1,0 +1,127 @@
+"""The prefix cache: a request resumed from a cached prefix gives what it gives without the cache.
+
+Prompts share prefixes of lengths on and off the page (128 or 256), the sliding window (8-32 in the
+parity configs), and the ratio-4 and ratio-128 grids. A first request fills the cache; a first wave of
+variants runs (and puts snapshots at the junctions where they part from it); a second wave with other
+tails resumes from those snapshots. Every output, and the first token's top logprobs, must equal the
+cache-off engine's, which the parity tests hold to HF; the second wave is also checked against HF.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dsv4_engine.llm import LLM, RequestOutput
+from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.testing import greedy_divergences, random_ids
+
+BASE = random_ids(1100, seed=77)
+SHARED = [5, 127, 128, 129, 131, 132, 136, 160, 255, 256, 257, 300, 384, 515, 1024]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+
+
+def _variant(shared: int, wave: int) -> list[int]:
+    return BASE[:shared] + random_ids(20 + shared % 7, seed=1000 * wave + shared)
+
+
+def _waves(llm: LLM) -> list[list[RequestOutput]]:
+    first = llm.generate([BASE[:1100] + random_ids(20, seed=5)], GREEDY)
+    return [first, *(llm.generate([_variant(s, w) for s in SHARED], GREEDY) for w in (1, 2))]
+
+
+def _first_logprobs(out: RequestOutput) -> dict[int, float]:
+    assert out.logprobs is not None
+    return dict(out.logprobs[0].top)
+
+
+CASES = [("A", 128, 128), ("A", -1, 128), ("B", 128, 128), ("C", 256, 256), ("C", -1, 256)]
+
+
+@pytest.mark.parametrize(("name", "chunk", "page"), CASES)
+def test_resumed_prefill_equals_full_prefill(make_llm, hf_models, assert_released, name, chunk, page):
+    kw = {"chunked_prefill_size": chunk, "page_size": page, "max_num_batched_tokens": 4096}
+    on = _waves(make_llm(name, **kw))
+    off = _waves(make_llm(name, disable_radix_cache=True, **kw))
+    for wave_on, wave_off in zip(on, off, strict=True):
+        for a, b in zip(wave_on, wave_off, strict=True):
+            assert a.token_ids == b.token_ids, (len(a.prompt_token_ids), a.num_cached_tokens)
+            la, lb = _first_logprobs(a), _first_logprobs(b)
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t] - lb[t]) < 1e-4 for t in la), (la, lb)
+            assert b.num_cached_tokens == 0
+    # The second wave resumes every variant from the snapshot the first put at its junction: the
+    # shared prefix rounded down to the page (nothing for prefixes under one page).
+    for s, out in zip(SHARED, on[2], strict=True):
+        assert out.num_cached_tokens == s // page * page, s
+    if name == "A" and chunk == 128:
+        excused = sum(
+            len(greedy_divergences(hf_models(name), o.prompt_token_ids, o.token_ids)) for o in on[2]
+        )
+        assert excused <= 1, excused
+    llm = make_llm(name, **kw)
+    _waves(llm)
+    assert llm.engine.metrics()["prefix_cache_hits"] > 0
+    assert_released(llm)
+
+
+def test_identical_prompts_prefill_once(make_llm, assert_released):
+    """n copies of a prompt submitted together: one prefills it, the others wait and resume from its
+    last page boundary, so the engine runs the shared part once."""
+    llm = make_llm("A")
+    prompt = random_ids(700, seed=3)
+    outs = llm.generate([prompt] * 4, GREEDY)
+    assert all(o.token_ids == outs[0].token_ids for o in outs)
+    assert sorted(o.num_cached_tokens for o in outs) == [0, 640, 640, 640]
+    m = llm.engine.metrics()
+    # forwarded: the prompt once, three 60-token tails, and every decode step
+    assert m["forwarded_tokens_total"] == 700 + 3 * 60 + 4 * 3
+    assert m["prefix_cache_queries"] == 4 * 700 and m["prefix_cache_hits"] == 3 * 640
+    assert_released(llm)
+
+
+def test_seeded_sample_unchanged_by_a_hit(make_llm):
+    prompt = random_ids(400, seed=4)
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    llm = make_llm("A")
+    cold = llm.generate([prompt], seeded)[0]
+    warm = llm.generate([prompt], seeded)[0]
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 384
+    assert warm.token_ids == cold.token_ids
+
+
+def test_prompt_logprobs_bypass_the_cache(make_llm):
+    """Prompt logprobs need every position's logits, so such a request never resumes from the cache."""
+    prompt = random_ids(300, seed=6)
+    llm = make_llm("A")
+    llm.generate([prompt], GREEDY)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    out = llm.generate([prompt], params)[0]
+    assert out.num_cached_tokens == 0
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+
+
+def test_eviction_under_a_small_pool(make_llm, assert_released):
+    """Pools for a few requests, many more distinct prefixes than they hold: cached prefixes are
+    evicted (least recently used first) instead of a request failing or being preempted for them."""
+    llm = make_llm("A", num_pages=24, max_num_seqs=4)
+    prompts = [random_ids(600, seed=100 + i) for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    first = llm.generate(prompts, params)
+    again = llm.generate(prompts[-2:], params)  # the most recent survive eviction
+    assert all(o.finish_reason == "length" for o in first + again)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first[-2:]]
+    assert all(o.num_cached_tokens == 512 for o in again)
+    cache = llm.engine.allocator.prefix_cache
+    assert cache is not None and cache.num_nodes <= 24 < 12 * 4  # 12 prompts offered 4 pages each
+    assert llm.engine.metrics()["num_preemptions"] == 0
+    assert_released(llm)
+
+
+def test_disabled_cache_never_hits(make_llm, assert_released):
+    llm = make_llm("A", disable_radix_cache=True)
+    prompt = random_ids(300, seed=8)
+    outs = [llm.generate([prompt], GREEDY)[0] for _ in range(2)]
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert llm.engine.allocator.prefix_cache is None
+    assert llm.engine.metrics()["prefix_cache_hits"] == 0
+    assert_released(llm)
