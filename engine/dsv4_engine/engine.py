@@ -265,9 +265,11 @@ class LLMEngine:
         *,
         first_logprobs: TokenLogprobs | None = None,
         prompt_logprobs: list[TokenLogprobs] | None = None,
+        cached_tokens: int = 0,
     ) -> None:
         """PD decode: the request's state is in `req_idx`'s pages; run it from its first token.
-        The logprobs the prefill computed come out with that token, as a colocated server's would."""
+        The logprobs the prefill computed come out with that token, as a colocated server's would,
+        and so does its prefix-cache hit (`cached_tokens`)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not 0 <= first_token < self.config.vocab_size:
@@ -289,7 +291,8 @@ class LLMEngine:
                 raise
             grammar.advance(seq.grammar, first_token)
         seq.generator = self._generator(sampling_params, generator_state)
-        first = StepOutput(request_id, [first_token], False, None)
+        seq.num_cached_tokens = cached_tokens
+        first = StepOutput(request_id, [first_token], False, None, cached_tokens=cached_tokens)
         if sampling_params.logprobs is not None and first_logprobs is not None:
             first.logprobs = [first_logprobs]
         if sampling_params.prompt_logprobs is not None and prompt_logprobs is not None:
@@ -311,7 +314,8 @@ class LLMEngine:
         prompt_tokens_total, generation_tokens_total, prefix_cache_queries and prefix_cache_hits
         (prompt tokens admitted, and of those resumed from the cache), prefix_cache_nodes and
         prefix_cache_snapshots, and per page family (full, swa, c4s, c128s) pool_usage/<f> (fraction
-        in use), pool_free/<f> and pool_total/<f> (pages)."""
+        held by requests), pool_free/<f>, pool_available/<f> (free, or held by the prefix cache
+        alone: what requests can take) and pool_total/<f> (pages)."""
         out = {k: float(v) for k, v in self.scheduler.metrics().items()}
         cache = self.allocator.prefix_cache
         out["prefix_cache_nodes"] = float(cache.num_nodes if cache else 0)

@@ -204,8 +204,10 @@ class Scheduler:
         out["num_held"] = len(self.held)
         out.update({k: float(v) for k, v in self.counters.items()})
         out.update({f"pool_usage/{k}": v for k, v in self.allocator.usage().items()})
+        available = self.allocator.num_available()
         for name, pool in self.allocator.pools.items():
             out[f"pool_free/{name}"] = float(pool.num_free)
+            out[f"pool_available/{name}"] = float(available[name])
             out[f"pool_total/{name}"] = float(pool.num_pages)
         return out
 
@@ -291,7 +293,9 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if self._awaits_shared_prefill(seq):
+            if self._awaits_shared_prefill(seq, chunks, specs):
+                planned = self._planned_after(specs)  # a chunk of this step may have been cut short
+                budget = self.config.max_num_batched_tokens - sum(c.end - c.start for c in chunks)
                 continue
             free_full = self.allocator.num_available()["full"] - planned["full"]
             # Admission: the pools must hold every known token of the request (prompt, and the
@@ -343,9 +347,12 @@ class Scheduler:
         seq.cache_cuts = {c for c in (hit.matched, last) if c > hit.length}
         return hit.length
 
-    def _awaits_shared_prefill(self, seq: Sequence) -> bool:
+    def _awaits_shared_prefill(
+        self, seq: Sequence, chunks: list[ScheduledChunk], specs: list[ExtendSpec]
+    ) -> bool:
         """Whether seq should wait for a running prefill that will put more of its prompt in the cache
-        than is there now. That prefill gets a chunk end (a snapshot) where the two prompts part."""
+        than is there now. That prefill gets a chunk end (a snapshot) where the two prompts part; its
+        chunk in this step is cut there if it would run past."""
         cache = self.allocator.prefix_cache
         p = self.config.page_size
         limit = self._cache_limit(seq) // p * p
@@ -359,6 +366,10 @@ class Scheduler:
             shared = _shared_pages(other.prompt_token_ids, tokens, p, limit // p) * p
             if shared > max(have, other.num_computed):
                 other.cache_cuts.add(shared)
+                for i, chunk in enumerate(chunks):
+                    if chunk.seq is other and chunk.end > shared:
+                        chunks[i] = ScheduledChunk(other, chunk.start, shared)
+                        specs[i] = self._spec(other, shared)
                 return True
         return False
 
@@ -400,7 +411,7 @@ class Scheduler:
             seq.num_computed = chunk.end
             seq.num_forwarded += chunk.end - chunk.start
             self.counters["forwarded_tokens_total"] += chunk.end - chunk.start
-            if chunk.end in seq.cache_cuts or (chunk.sample and not chunk.is_decode):
+            if not chunk.is_decode:
                 self._offer_to_cache(seq, chunk.end)
             if not chunk.sample:
                 continue
@@ -416,8 +427,8 @@ class Scheduler:
         return finished
 
     def _offer_to_cache(self, seq: Sequence, end: int) -> None:
-        """After a chunk that ended at `end`: the cache takes the page-aligned computed prefix (with a
-        snapshot when `end` itself is page-aligned)."""
+        """After a prefill chunk that ended at `end`: the cache takes the page-aligned computed prefix,
+        with a snapshot when `end` itself is page-aligned (every chunk but a prompt's last is)."""
         p = self.config.page_size
         if self.allocator.prefix_cache is not None and seq.req_idx is not None and end >= p:
             self.allocator.cache_prefix(seq.req_idx, seq.all_token_ids[: end // p * p])

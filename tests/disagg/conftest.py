@@ -109,7 +109,8 @@ class Server:
         return self.get("/debug/state")["engine"]
 
     def free_pages(self) -> dict[str, float]:
-        return {k: v for k, v in self.engine().items() if k.startswith("pool_free/")}
+        """Pages no request holds, per family: free, or held by the prefix cache alone."""
+        return {k: v for k, v in self.engine().items() if k.startswith("pool_available/")}
 
     def pause(self) -> None:
         assert self.post("/debug/pause").json()["paused"]

@@ -186,6 +186,27 @@ def test_two_prefill_two_decode_interleaved(
     pd.settle(*(cluster[k] for k in ("P128", "P256", "D1", "D2")), initial=cluster["initial"])
 
 
+def test_prefix_cache_hit_through_pd(cluster: dict[str, Any], pd: Any, tiny_model: Any) -> None:
+    """The prefill server resumes the second prompt from its prefix cache (the first left a snapshot at
+    its last page boundary, 512); the transfer still moves the request's whole state, so the decode's
+    output is the colocated server's, and both legs report the hit in usage."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    base = random_ids(600, seed=501)
+    prompts = [base + random_ids(30, seed=502), base + random_ids(45, seed=503)]
+    prefill, decode = cluster["P128"], cluster["D1"]
+    hits = prefill.engine()["prefix_cache_hits"]
+    for prompt, cached in zip(prompts, (0, 512), strict=True):
+        want = tokenizer.decode(colocated(cluster["C"], prompt, pd, temperature=0, ignore_eos=True))
+        p, d = pd_completion(prefill, decode, prompt, pd, temperature=0)
+        assert d.choices[0].text == want
+        assert p.usage.prompt_tokens_details.cached_tokens == cached
+        assert d.usage.prompt_tokens_details.cached_tokens == cached
+    assert prefill.engine()["prefix_cache_hits"] - hits == 512
+    pd.settle(prefill, decode, initial=cluster["initial"])
+
+
 def _room_digests(server: Any, room: int) -> dict[str, str]:
     return server.get("/debug/pd")["checksums"][str(room)]
 
@@ -295,11 +316,11 @@ def _series(server: Any) -> dict[str, float]:
 
 
 def test_every_pd_series_moves_by_what_one_request_moved(cluster: dict[str, Any], pd: Any) -> None:
-    """One 300-token request through P2048 (one chunk: one write) and D2: the bytes per state type
-    each side counts are its pages times their size (the layout fingerprint's item lengths), the
-    transfer histogram counts one on each side, the decode's queue gauge shows it while it waits,
-    the handshake counts a first pairing only, the writes counter one write; and both servers log
-    the router's request id."""
+    """One 300-token request through P2048 and D2: the bytes per state type each side counts are its
+    pages times their size (the layout fingerprint's item lengths), the transfer histogram counts one
+    on each side, the decode's queue gauge shows it while it waits, the handshake counts a first
+    pairing only, the writes counter one write per chunk (two: the prefix cache ends one at the
+    prompt's last page boundary, 256); and both servers log the router's request id."""
     P, D = cluster["P2048"], cluster["D2"]
     items = httpx.get(f"{P.base}/server_info", timeout=10).json()["layout_fingerprint"]["item_lens"]
     paired = f"127.0.0.1:{P.bootstrap_port}" in D.get("/debug/pd")["paired"]
@@ -330,7 +351,8 @@ def test_every_pd_series_moves_by_what_one_request_moved(cluster: dict[str, Any]
         assert after[server.name]['dsv4_pd_queue_depth{queue="transfer"}'] == 0
     assert delta(D, "dsv4_pd_handshake_seconds_count") == (0 if paired else 1)
     writes = [k for k in after[P.name] if k.startswith("dsv4_pd_transfer_writes_total{")]
-    assert sum(delta(P, k) for k in writes) == 1
+    # Two chunks, two writes: the prefix cache ends one at the prompt's last page boundary (256).
+    assert sum(delta(P, k) for k in writes) == 2
     for server in (P, D):
         assert "x-request-id=pd-trace-42" in server.log()
     assert '"layout_fingerprint_id"' in httpx.get(f"{D.base}/server_info").text

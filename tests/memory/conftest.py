@@ -49,11 +49,14 @@ def make_mem() -> Callable[..., Mem]:
         max_reqs: int = 4,
         max_ctx: int = 2048,
         decode: bool = False,
+        prefix_cache: bool = False,
     ) -> Mem:
         layout = small_layout(page_size, window, ratios)
         sizes = PoolSizes(full_pages, swa_pages, state_pages, state_pages)
         # decode: a disaggregated decode server's memory, 2 extra rows for in-transfer requests.
-        mem = PagedMemory.build(layout, sizes, max_reqs, max_ctx, pre_alloc_rows=2 if decode else 0)
+        mem = PagedMemory.build(
+            layout, sizes, max_reqs, max_ctx, pre_alloc_rows=2 if decode else 0, prefix_cache=prefix_cache
+        )
         return Mem(layout, sizes, mem.kv, mem.req_pool, mem.allocator)
 
     return make

@@ -54,6 +54,8 @@ def test_greedy_on_npu_equals_the_cpu_path(
         got = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6))]
         assert got == cpu_tokens
         m = engine.metrics()  # every page back
-        assert all(m[f"pool_free/{f}"] == m[f"pool_total/{f}"] for f in ("full", "swa", "c4s", "c128s")), m
+        assert all(
+            m[f"pool_available/{f}"] == m[f"pool_total/{f}"] for f in ("full", "swa", "c4s", "c128s")
+        ), m
     finally:
         llm.close()

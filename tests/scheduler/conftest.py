@@ -56,12 +56,13 @@ def make_harness() -> Callable[..., Harness]:
         max_num_batched_tokens: int = 512,
         chunk_size: int | None = None,
         max_num_seqs: int = 8,
+        prefix_cache: bool = False,
     ) -> Harness:
         layout = Dsv4MemoryLayout((0, 4, 128, 0), head_dim=8, index_head_dim=4, window=16, page_size=page_size,
                                   kv_dtype=torch.float32)  # fmt: skip
         sizes = PoolSizes(full_pages, swa_pages, state_pages, state_pages)
         req_pool = Dsv4ReqToTokenPool(max_reqs, max_ctx)
-        alloc = Dsv4Allocator(layout, sizes, req_pool)
+        alloc = Dsv4Allocator(layout, sizes, req_pool, prefix_cache=prefix_cache)
         config = SchedulerConfig(
             page_size=page_size, max_model_len=max_ctx, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, chunk_size=chunk_size, eos_token_ids=(1,),

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dsv4_engine.server.metrics import ServerMetrics, kv_cache_usage
+from dsv4_engine.server.metrics import ServerMetrics, kv_cache_usage, prefix_cache_hit_rate
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
 
@@ -36,6 +36,7 @@ def rendered(snapshot: dict[str, float], role: str = "decode") -> ServerMetrics:
 
 def test_vllm_series_carry_the_same_values_with_model_and_role(llm: Any) -> None:
     snap = {**llm.engine.metrics(), "num_running": 3, "num_waiting": 2, "prompt_tokens_total": 41}
+    snap.update(prefix_cache_queries=40, prefix_cache_hits=10)
     got = samples(rendered(snap).render().decode())
     extra = (("model_name", "tiny"), ("role", "decode"))
     pairs = {
@@ -61,11 +62,20 @@ def test_vllm_series_carry_the_same_values_with_model_and_role(llm: Any) -> None
         ("dsv4_prompt_tokens_total", "vllm:prompt_tokens_total"),
         ("dsv4_generation_tokens_total", "vllm:generation_tokens_total"),
         ("dsv4_preemptions_total", "vllm:num_preemptions_total"),
+        ("dsv4_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+        ("dsv4_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
     ):
         assert got[(ours, ())] == got[(theirs, extra)], theirs
     assert got[("vllm:num_requests_running", extra)] == 3
+    assert got[("vllm:prefix_cache_hits_total", extra)] == 10
+    assert got[("dsv4_prefix_cache_hit_rate", ())] == 0.25
     usage = got[("vllm:kv_cache_usage_perc", extra)]
     assert usage == got[("vllm:gpu_cache_usage_perc", extra)] == kv_cache_usage(snap)
+
+
+def test_prefix_cache_hit_rate_is_hits_over_queries() -> None:
+    assert prefix_cache_hit_rate({"prefix_cache_queries": 8.0, "prefix_cache_hits": 2.0}) == 0.25
+    assert prefix_cache_hit_rate({}) == 0.0  # no prompt admitted yet: 0, not a division by zero
 
 
 def test_kv_usage_is_the_fullest_page_family() -> None:

@@ -139,7 +139,13 @@ def create_bootstrap_app(rooms: PrefillRooms, *, rank: int = 0) -> FastAPI:
             err = done.exception()
             return _error(err if isinstance(err, PdError) else PdError("transfer_failed", str(err)))
         return JSONResponse(
-            {"status": "success", "bytes": r.bytes_by_type, "staged": r.staged, "logprobs": r.logprobs}
+            {
+                "status": "success",
+                "bytes": r.bytes_by_type,
+                "staged": r.staged,
+                "logprobs": r.logprobs,
+                "cached_tokens": r.cached_tokens,
+            }
         )
 
     @app.get("/rooms/{room}")

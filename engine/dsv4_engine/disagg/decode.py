@@ -42,6 +42,7 @@ from dsv4_engine.disagg.fingerprint import prompt_digest
 from dsv4_engine.disagg.protocol import (
     PdError,
     PdTarget,
+    read_cached_tokens,
     read_logprobs,
     register_state,
     stage_segments,
@@ -176,9 +177,12 @@ class DecodeReceiver:
                 await self._probe(target.room, pages)
             token, state = unpack_aux(self.aux[req_idx])
             first, prompt = read_logprobs(answer.get("logprobs"), params, prompt_ids, token)
+            cached = read_cached_tokens(answer.get("cached_tokens"), len(prompt_ids))
             args = (request_id, prompt_ids, params, req_idx, token, state)
             await self.bridge.run(
-                lambda e: e.admit_transferred(*args, first_logprobs=first, prompt_logprobs=prompt)
+                lambda e: e.admit_transferred(
+                    *args, first_logprobs=first, prompt_logprobs=prompt, cached_tokens=cached
+                )
             )
             self.reserved.pop(req_idx, None)
             req_idx = None  # the engine owns it now (its free path frees it)

@@ -68,7 +68,8 @@ def reserve(
             growth.update(alloc.growth(seq.req_idx, min(now + reserve_tokens, limit, alloc.max_ctx)))
     for r in list(reserved.values()):
         growth.update(alloc.growth(r.row, r.end))
-    now_pages, end_pages, free = alloc.pages_to_hold(prompt_len), alloc.pages_to_hold(end), alloc.num_free()
+    now_pages, end_pages = alloc.pages_to_hold(prompt_len), alloc.pages_to_hold(end)
+    free = alloc.num_available()  # pages only the prefix cache holds are evicted for it
     short = [f for f in FAMILIES if max(now_pages[f], end_pages[f]) + growth[f] > free[f]]
     if short:
         f = short[0]

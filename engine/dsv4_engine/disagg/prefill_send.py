@@ -116,6 +116,7 @@ class ChunkSender:
             assert token is not None and room.dst_aux is not None
             slot = self.aux[seq.req_idx]
             pack_aux(slot, token, seq.generator)
+            room.cached_tokens = seq.num_cached_tokens or 0
             room.logprobs = logprobs_body(
                 seq.step_logprobs if seq.params.logprobs is not None else None,
                 list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,

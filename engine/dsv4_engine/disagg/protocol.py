@@ -223,6 +223,16 @@ def logprobs_body(first: TokenLogprobs | None, prompt: list[TokenLogprobs] | Non
     }
 
 
+def read_cached_tokens(value: object, prompt_len: int) -> int:
+    """The prefill's count of prompt tokens it resumed from its prefix cache (0 from a prefill that
+    does not send it); anything but a count within the prompt fails the request."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < max(prompt_len, 1):
+        raise PdError("payload_mismatch", f"cached_tokens {value!r} does not fit a prompt of {prompt_len}")
+    return value
+
+
 def read_logprobs(
     body: dict[str, Any] | None, params: SamplingParams, prompt_ids: list[int], first_token: int
 ) -> tuple[TokenLogprobs | None, list[TokenLogprobs] | None]:

@@ -54,6 +54,7 @@ class Room:
     staged_at: int = 0  # bytes of the decode's span the queued staged jobs fill
     staged: list[tuple[str, int, int]] = field(default_factory=list)  # (type, lo, hi) in span order
     logprobs: dict[str, Any] | None = None  # protocol.logprobs_body, sent with the transfer's answer
+    cached_tokens: int = 0  # prompt tokens the prefill resumed from its prefix cache (for usage)
     # progress: the worker's
     writing: bool = False  # a write of this room is in the transport right now
     late: int = 0  # writes that abandoned entries Mooncake may still move (into the decode's pages)

@@ -40,7 +40,9 @@ class PagePool:
         return self.num_pages - len(self._free)
 
     def usage(self) -> float:
-        return self.num_used / self.num_pages if self.num_pages else 0.0
+        """The share held by requests: the cache's evictable pages count as free (as vLLM's and
+        SGLang's usage figures do), so a full cache never looks like load to an autoscaler."""
+        return (self.num_used - self.num_evictable) / self.num_pages if self.num_pages else 0.0
 
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):

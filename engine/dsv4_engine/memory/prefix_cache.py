@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from .page_pool import PagePool
 
 Snapshot = dict[str, dict[int, int]]  # family ("swa", "c4s", "c128s") -> {page index: page}
+EVICT_SLACK = 32  # an eviction frees 1/32 of the pool beyond what was asked
 
 
 @dataclass(eq=False)
@@ -42,7 +43,8 @@ class _Node:
     depth: int  # pages from the root
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     snapshot: Snapshot | None = None  # what resuming at depth * P needs besides the full pages
-    last_used: int = 0
+    last_used: int = 0  # the last match or insert through this node
+    snapshot_used: int = 0  # when its snapshot was taken or last resumed from
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class PrefixCache:
             now = next(self._clock)
             for n in path:
                 n.last_used = now
+            if best:
+                path[best - 1].snapshot_used = now
         if best == 0:
             return PrefixHit(matched=len(path) * self.page_size)
         snap = path[best - 1].snapshot
@@ -121,6 +125,7 @@ class PrefixCache:
                 for page in pages.values():
                     self.pools[fam].cache_hold(page)
             node.snapshot = {fam: dict(pages) for fam, pages in snapshot.items()}
+            node.snapshot_used = now
             self.num_snapshots += 1
 
     # ---- giving pages back -----------------------------------------------------------------------
@@ -152,16 +157,21 @@ class PrefixCache:
         return out
 
     def evict(self, family: str, want_free: int) -> None:
-        """Give back least recently used entries until `family` has `want_free` free pages, or the
-        cache holds nothing more of it. Entries whose pages requests still hold free nothing now,
-        but go as well, in LRU order (they are the most recently used, so they go last)."""
+        """Give back least recently used entries until `family` has `want_free` free pages (and some
+        slack, so that a full cache is not scanned again at every step), or the cache holds nothing
+        more of it. Entries whose pages requests still hold free nothing now, but go as well, in LRU
+        order (they are the most recently used, so they go last). Snapshots go by their own use: the
+        ones a long prompt left at every chunk go before the one a later turn resumes from."""
         pool = self.pools[family]
         if pool.num_free >= want_free:
             return
+        want_free = min(pool.num_pages, want_free + pool.num_pages // EVICT_SLACK)
         if family == "full":
             heap = [(n.last_used, id(n), n) for n in self._nodes() if not n.children]
         else:
-            heap = [(n.last_used, id(n), n) for n in self._nodes() if n.snapshot and n.snapshot.get(family)]
+            heap = [
+                (n.snapshot_used, id(n), n) for n in self._nodes() if n.snapshot and n.snapshot.get(family)
+            ]
         heapq.heapify(heap)
         while heap and pool.num_free < want_free:
             _, _, node = heapq.heappop(heap)

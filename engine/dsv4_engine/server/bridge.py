@@ -50,6 +50,7 @@ class RequestHandle:
     done: bool = False  # the engine no longer holds the request (finished, aborted or failed)
     num_tokens: int = 0
     prompt_len: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine resumed from its prefix cache (usage's figure)
     observe: bool = True  # feed the latency histograms (not for warm-up and health probes)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -223,6 +224,8 @@ class EngineBridge:
                 getattr(out, "logprobs", None),  # engines without logprobs (tests' fakes) lack them
                 getattr(out, "prompt_logprobs", None),
             )
+            # Engines without a prefix cache (tests' fakes) lack the field.
+            handle.cached_tokens = getattr(out, "cached_tokens", 0)
             if event.finished:
                 handle.done = True
                 del self._handles[out.request_id]
@@ -257,9 +260,14 @@ class EngineBridge:
         engine = self.engine
         if isinstance(cmd, _Call):
             try:
-                cmd.future.set_result(cmd.fn(engine))
+                result = cmd.fn(engine)
             except Exception as exc:
                 cmd.future.set_exception(exc)
+            else:
+                # A call may change what metrics report (flush_cache frees pages): a scrape made once
+                # the caller has its answer must see that.
+                self._refresh_snapshot()
+                cmd.future.set_result(result)
         elif isinstance(cmd, _Add):
             try:
                 if cmd.hold:

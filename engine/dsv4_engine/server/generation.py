@@ -60,6 +60,7 @@ class Piece:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # the whole prompt's, when asked
+    cached_tokens: int = 0  # prompt tokens resumed from the engine's prefix cache
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Outcome:
     ttft: float | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cached_tokens: int = 0  # prompt tokens resumed from the engine's prefix cache
 
     @property
     def completion_tokens(self) -> int:
@@ -284,11 +286,11 @@ async def outcomes(
                 else:
                     bridge.abort(handle)  # stop string reached: free the engine's pages now
                 if text:
-                    yield Piece(text, event.token_ids, new_logprobs, prompt_logprobs)
+                    yield Piece(text, event.token_ids, new_logprobs, prompt_logprobs, handle.cached_tokens)
                 yield _outcome(handle, sent, detok, "stop", stops.matched, logprobs, prompt_logprobs)
                 return
             if not spec.hide_output and (text or event.token_ids):
-                yield Piece(text, event.token_ids, new_logprobs, prompt_logprobs)
+                yield Piece(text, event.token_ids, new_logprobs, prompt_logprobs, handle.cached_tokens)
             if final:
                 if handle.pd_wait is not None:  # PD prefill: done once the transfer ended
                     await _transferred(handle)
@@ -344,4 +346,5 @@ def _outcome(
         ttft,
         logprobs,
         prompt_logprobs,
+        handle.cached_tokens,
     )

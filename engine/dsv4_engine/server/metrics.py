@@ -57,11 +57,27 @@ _ENGINE_KEYS = {
     "prompt_tokens_total": ("prompt_tokens", "Prompt tokens prefilled since start.", True),
     "generation_tokens_total": ("generation_tokens", "Tokens generated since start.", True),
     "num_aborted": ("aborted_requests", "Requests aborted in the engine since start.", True),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens of admitted requests since start.", True),
+    "prefix_cache_hits": (
+        "prefix_cache_hits",
+        "Of the prompt tokens of admitted requests, those resumed from the prefix cache.",
+        True,
+    ),
+    "prefix_cache_nodes": ("prefix_cache_nodes", "Nodes of the prefix cache's radix tree.", False),
+    "prefix_cache_snapshots": (
+        "prefix_cache_snapshots",
+        "Prefixes the prefix cache can resume a request from (state snapshots it keeps).",
+        False,
+    ),
 }
 # engine.metrics() per-pool key prefix -> (metric name, help)
 _POOL_KEYS = {
     "pool_usage/": ("pool_usage_ratio", "Fraction of each memory pool in use."),
     "pool_free/": ("pool_free_pages", "Free pages in each memory pool."),
+    "pool_available/": (
+        "pool_available_pages",
+        "Pages requests can take in each memory pool: free, or held by the prefix cache alone.",
+    ),
     "pool_total/": ("pool_total_pages", "Pages in each memory pool."),
 }
 
@@ -78,12 +94,18 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         snap = dict(self._snapshot())
+        hit_rate = prefix_cache_hit_rate(snap)
         for key, (name, help_text, is_counter) in _ENGINE_KEYS.items():
             value = float(snap.pop(key, 0.0))
             if is_counter:
                 yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
             else:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_prefix_cache_hit_rate",
+            "Share of admitted prompt tokens resumed from the prefix cache since start (0 before any).",
+            value=hit_rate,
+        )
         for prefix, (name, help_text) in _POOL_KEYS.items():
             family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=["pool"])
             for key in sorted(k for k in snap if k.startswith(prefix)):
@@ -102,6 +124,12 @@ def kv_cache_usage(snapshot: Mapping[str, float]) -> float:
     family (SWA, full, compressor state), so the fullest one is what refuses the next request."""
     usage = [float(v) for k, v in snapshot.items() if k.startswith("pool_usage/")]
     return max(usage, default=0.0)
+
+
+def prefix_cache_hit_rate(snapshot: Mapping[str, float]) -> float:
+    """prefix_cache_hits / prefix_cache_queries, 0 when no prompt was admitted yet."""
+    queries = float(snapshot.get("prefix_cache_queries", 0.0))
+    return float(snapshot.get("prefix_cache_hits", 0.0)) / queries if queries else 0.0
 
 
 _VLLM_LABELS = {"finish_reason": "finished_reason"}  # vLLM's spelling of the same label
@@ -151,7 +179,11 @@ class _VllmCollector(Collector):
             ("prompt_tokens_total", "vllm:prompt_tokens", "Prompt tokens admitted since start.", True),
             ("generation_tokens_total", "vllm:generation_tokens", "Tokens generated since start.", True),
             ("num_preemptions", "vllm:num_preemptions", "Requests preempted since start.", True),
-        ):
+            ("prefix_cache_queries", "vllm:prefix_cache_queries",
+             "Prompt tokens of admitted requests since start.", True),
+            ("prefix_cache_hits", "vllm:prefix_cache_hits",
+             "Prompt tokens resumed from the prefix cache since start.", True),
+        ):  # fmt: skip
             family = CounterMetricFamily if counter else GaugeMetricFamily
             metric = family(name, doc, labels=keys)
             metric.add_metric(values, float(snap.get(key, 0.0)))

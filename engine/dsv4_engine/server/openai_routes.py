@@ -61,11 +61,28 @@ def bad_word_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     return out
 
 
-def usage(prompts: list[list[int]], outs: list[Outcome]) -> dict[str, int]:
+def usage(prompts: list[list[int]], outs: list[Outcome]) -> dict[str, Any]:
     """Each prompt counted once, however many choices it has (as OpenAI counts n > 1)."""
     prompt = sum(len(p) for p in prompts)
     completion = sum(o.completion_tokens for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = cached_tokens([o.cached_tokens for o in outs], len(prompts))
+    return usage_body(prompt, completion, cached)
+
+
+def usage_body(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},  # vLLM's place for it
+    }
+
+
+def cached_tokens(per_choice: list[int], prompts: int) -> int:
+    """usage's cached_tokens, counted as prompt_tokens is: each prompt once, at the fewest of its n
+    choices (choice i is prompt i // n), since the prompt tokens some choice computed were not cached."""
+    n = len(per_choice) // prompts if prompts else 0
+    return sum(min(per_choice[p * n : (p + 1) * n], default=0) for p in range(prompts))
 
 
 @router.post("/v1/completions", response_model=None)
@@ -155,18 +172,20 @@ class _Usage:
     """Token counts of a streamed response so far: each prompt once, completions per choice."""
 
     def __init__(self, prompts: list[list[int]], choices: int) -> None:
+        self.prompts = len(prompts)
         self.prompt = sum(len(p) for p in prompts)
         self.completion = [0] * choices
+        self.cached = [0] * choices  # known from a choice's first piece on
 
     def add(self, index: int, item: Piece | Outcome) -> None:
+        self.cached[index] = item.cached_tokens
         if isinstance(item, Piece):
             self.completion[index] += len(item.token_ids)
         else:
             self.completion[index] = item.completion_tokens
 
-    def body(self) -> dict[str, int]:
-        done = sum(self.completion)
-        return {"prompt_tokens": self.prompt, "completion_tokens": done, "total_tokens": self.prompt + done}
+    def body(self) -> dict[str, Any]:
+        return usage_body(self.prompt, sum(self.completion), cached_tokens(self.cached, self.prompts))
 
 
 def _chunk_usage(req: SamplingRequest, progress: _Usage) -> dict[str, Any]:

@@ -43,6 +43,7 @@ class ResponseBuilder:
     cut: bool = False  # max_output_tokens ended it
     output_tokens: int = 0
     reasoning_tokens: int = 0
+    cached_tokens: int = 0
 
     def _event(self, kind: str, **body: Any) -> dict[str, Any]:
         self.seq += 1
@@ -149,6 +150,7 @@ class ResponseBuilder:
         """Close the last item; the closing event with the whole response."""
         events = self._close()
         self.output_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens
         self.status = "completed" if out.finish_reason == "stop" else "incomplete"
         self.cut = out.finish_reason == "length"
         kind = "response.completed" if self.status == "completed" else "response.incomplete"
@@ -161,7 +163,7 @@ class ResponseBuilder:
         if done:
             usage = {
                 "input_tokens": self.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": self.output_tokens,
                 "output_tokens_details": {"reasoning_tokens": min(self.reasoning_tokens, self.output_tokens)},
                 "total_tokens": self.prompt_tokens + self.output_tokens,

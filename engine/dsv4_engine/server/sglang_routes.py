@@ -125,10 +125,19 @@ async def get_load(request: Request) -> list[dict[str, Any]]:
     ]
 
 
-@router.post("/flush_cache")
+@router.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang takes both
 async def flush_cache(request: Request) -> PlainTextResponse:
-    context(request)
-    # The engine keeps no prefix cache across requests, so there is nothing to flush.
+    """Empty the engine's prefix cache (pages running requests hold stay theirs)."""
+    ctx = context(request)
+    if ctx.phase != Phase.READY:
+        raise unavailable(f"server is {ctx.phase.value}", code=f"server_{ctx.phase.value}")
+    assert ctx.bridge is not None
+    try:
+        await ctx.bridge.run(lambda engine: engine.flush_cache())  # on the engine thread, between steps
+    except RuntimeError as exc:  # the bridge's "engine is dead"
+        if ctx.bridge.dead is None:
+            raise
+        raise unavailable("the engine failed; the server must be restarted", retry_after=5) from exc
     return PlainTextResponse("Cache flushed.\n")
 
 
@@ -251,6 +260,7 @@ def _result(
     arrival: float,
     logprobs: dict[str, Any],
     index: int | None = None,
+    cached: int = 0,
 ) -> dict[str, Any]:
     body = {
         "text": text,
@@ -260,7 +270,7 @@ def _result(
             "finish_reason": None if out is None else _finish(out),
             "prompt_tokens": len(prompt),
             "completion_tokens": len(ids),
-            "cached_tokens": 0,
+            "cached_tokens": cached,
             "e2e_latency": time.monotonic() - arrival,
             "weight_version": "default",
             **logprobs,
@@ -305,7 +315,9 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
     for i, o in enumerate(outs):
         prompt = seqs[i]
         meta = lp.meta(prompt, o.prompt_logprobs, o.token_ids, o.logprobs)
-        results.append(_result(rids[i // n], o.text, o.token_ids, prompt, o, call.arrival, meta))
+        results.append(
+            _result(rids[i // n], o.text, o.token_ids, prompt, o, call.arrival, meta, cached=o.cached_tokens)
+        )
     return JSONResponse(results if req.is_batch() or n > 1 else results[0])
 
 
@@ -324,8 +336,14 @@ async def _stream(
                 text[i] += item.text
                 ids[i].extend(item.token_ids)
                 meta = logprobs[i].piece(item)
-                yield sse(_result(rid, text[i], ids[i], prompt, None, arrival, meta, index))
+                yield sse(
+                    _result(rid, text[i], ids[i], prompt, None, arrival, meta, index, item.cached_tokens)
+                )
             else:
                 call.finished(item)
                 meta = logprobs[i].outcome(item)
-                yield sse(_result(rid, item.text, item.token_ids, prompt, item, arrival, meta, index))
+                yield sse(
+                    _result(
+                        rid, item.text, item.token_ids, prompt, item, arrival, meta, index, item.cached_tokens
+                    )
+                )
