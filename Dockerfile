@@ -38,6 +38,13 @@ COPY operator ./operator
 COPY engine ./engine
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
     && pip install ".[engine]" "sglang-router==0.3.2" && rm -rf /src
+# The fused CPU kernels, built with a compiler this layer then drops: the servers import the library
+# from DSV4_KERNELS_PREBUILT as it is (a slim image has no compiler to build it at start).
+ENV DSV4_KERNELS_PREBUILT=/opt/dsv4/kernels
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && XDG_CACHE_HOME=/tmp/kernels-build python -m dsv4_engine.kernels --prebuilt-dir "${DSV4_KERNELS_PREBUILT}" \
+    && rm -rf /tmp/kernels-build \
+    && apt-get purge -y --auto-remove g++ && rm -rf /var/lib/apt/lists/*
 # The CPU example's model (examples/cpu-tiny.yaml, model.image.path), baked in: kind needs no volume.
 # tiny-v2 is a new revision of it (same shapes and tokenizer, other weights, so another fingerprint
 # and other greedy replies): the e2e rollout scenario moves the example to it.

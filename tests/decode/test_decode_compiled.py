@@ -6,6 +6,8 @@ artefacts land in the inductor cache outside the repository, so later runs mostl
 
 from __future__ import annotations
 
+import logging
+
 from pathlib import Path
 
 import pytest
@@ -42,7 +44,7 @@ def _unique_graphs() -> int:
     [True, False],
     ids=["the CPU kernels a compiler keeps", "torch forms only (other devices, DSV4_KERNELS=0)"],
 )
-def test_compiled_equals_eager_without_recompiles(small_model, make_mem, kernels: bool) -> None:
+def test_compiled_equals_eager_without_recompiles(small_model, make_mem, caplog, kernels: bool) -> None:
     eager_mem, comp_mem = make_mem(small_model), make_mem(small_model)
     eager = DecodeGraphRunner(small_model, eager_mem.kv, eager_mem.req_pool, MAX_CTX, buckets=(1, 2))
     comp = DecodeGraphRunner(
@@ -56,8 +58,10 @@ def test_compiled_equals_eager_without_recompiles(small_model, make_mem, kernels
         skip_guards=False,  # full guards on every call, so a recompile would show
     )
     assert (comp.kernels.name == "cpu") == kernels
-    comp.warmup()  # one bucket keeps a cold compile short; batches of 1 and 2 both replay it
+    with caplog.at_level(logging.INFO, logger="dsv4_engine.graph_runner"):
+        comp.warmup()  # one bucket keeps a cold compile short; batches of 1 and 2 both replay it
     assert comp.num_compiles == 1
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == ["decode bucket 2: compiled"]
     graphs = _unique_graphs()
     ptrs = {k: t.data_ptr() for k, t in comp.static_tensors().items()}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,3 +46,31 @@ def test_python_m_dsv4_engine_kernels_builds_and_says_where() -> None:
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.strip() == str(kernels.cache_dir())
     assert (kernels.cache_dir() / "dsv4_cpu_kernels.so").is_file()
+
+
+def test_a_prebuilt_library_loads_with_no_compiler_and_writes_nothing(tmp_path: Path) -> None:
+    """An image without a compiler (engine-cpu): the library `--prebuilt-dir` put in
+    DSV4_KERNELS_PREBUILT is imported as it is. The process finds no compiler on PATH and its own
+    cache folder stays empty: it built nothing and wrote nothing."""
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    prebuilt = tmp_path / "prebuilt"
+    args = [sys.executable, "-m", "dsv4_engine.kernels", "--prebuilt-dir", str(prebuilt)]
+    got = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
+    assert got.returncode == 0, got.stderr[-2000:]
+    lib = Path(got.stdout.strip()) / "dsv4_cpu_kernels.so"
+    assert lib.is_file() and lib.parent.parent == prebuilt
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    code = (
+        "import torch; from dsv4_engine.kernels import build; assert build.available(); "
+        "x, w = torch.randn(3, 64), torch.randn(64); "
+        "want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w; "
+        "assert torch.allclose(build.module().rms_norm(x, w, 1e-6), want, atol=1e-5)"
+    )
+    bare = {**env, "DSV4_KERNELS_PREBUILT": str(prebuilt), "XDG_CACHE_HOME": str(cache), "PATH": "/nonexistent"}
+    got = subprocess.run([sys.executable, "-c", code], env=bare, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert not any(cache.iterdir())
+    without = {**bare, "DSV4_KERNELS_PREBUILT": str(tmp_path / "elsewhere")}  # the control: no library there
+    got = subprocess.run([sys.executable, "-c", code], env=without, capture_output=True, text=True, timeout=300)
+    assert got.returncode != 0 and "fused CPU kernels unavailable" in got.stderr

@@ -104,3 +104,15 @@ def test_the_entrypoint_falls_back_to_the_ascend_toolkit_layout(tmp_path: Path) 
 def test_the_entrypoint_refuses_an_image_without_cann(tmp_path: Path) -> None:
     run = _entrypoint(tmp_path, None)
     assert run.returncode == 2 and "no CANN set_env.sh" in run.stderr and "args=" not in run.stdout
+
+
+def test_the_cpu_image_ships_the_kernels_prebuilt_without_a_compiler() -> None:
+    """The slim engine-cpu image has no compiler at run time: one layer installs g++, builds the
+    fused CPU kernels into DSV4_KERNELS_PREBUILT (which the servers import from) and drops g++ again,
+    so the compiler never reaches the image's layers."""
+    body = _stage("engine-cpu")
+    assert re.search(r"^ENV DSV4_KERNELS_PREBUILT=(\S+)$", body, re.M)
+    layer = next(run for run in re.split(r"^RUN ", body, flags=re.M) if "--prebuilt-dir" in run)
+    assert "install -y --no-install-recommends g++" in layer
+    assert '--prebuilt-dir "${DSV4_KERNELS_PREBUILT}"' in layer
+    assert "apt-get purge -y --auto-remove g++" in layer

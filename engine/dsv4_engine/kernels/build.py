@@ -7,12 +7,19 @@ the shared library. Each op is registered as `torch.ops.dsv4.*` with a fake (met
 (`module()`, `bindings.cpp`), skipping the dispatcher. With `DSV4_KERNELS=0`, or when no C++ compiler is
 present, `available()` is False and nothing is built: `kernels.choose_kernels` then never picks the CPU
 set (`kernels/cpu.py`).
+
+An image without a compiler ships them prebuilt: `python -m dsv4_engine.kernels --prebuilt-dir DIR`
+builds and copies the library to `DIR/<key>/`, and a process with `DSV4_KERNELS_PREBUILT=DIR` whose key
+(the same hash) is there imports it as it is, writing nothing (the image's files are read-only and
+owned by another user).
 """
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -32,22 +39,49 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("rows.h", "simd.h"))
 CFLAGS = ("-O3",)
 NAME = "dsv4_cpu_kernels"  # the extension module, and its library's name in the cache folder
 KERNELS_ENV = "DSV4_KERNELS"  # "0": never build or use them (also the default of EngineConfig.kernels)
+PREBUILT_ENV = "DSV4_KERNELS_PREBUILT"  # a folder of prebuilt libraries, one subfolder per key
 _built: dict[str, bool] = {}  # "ok": whether the kernels loaded (decided once a process)
 _bound: list[Any] = []  # the built module (its direct bindings), once loaded
 
 
-def cache_dir() -> Path:
-    """Keyed by the sources, torch's version and location, and the flags. The location too: the build
-    file names torch's headers by path, so two environments (two venvs) sharing one folder would each
+def _key() -> str:
+    """The sources, torch's version and location, and the flags. The location too: the build file
+    names torch's headers by path, so two environments (two venvs) sharing one folder would each
     rebuild the other's library on every start (37 s here), silently."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     where = str(Path(torch.__file__).resolve().parent)
     key = hashlib.sha256(sources + torch.__version__.encode() + where.encode() + " ".join(CFLAGS).encode())
-    return Path(base) / "dsv4" / "kernels" / key.hexdigest()[:16]
+    return key.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where this process builds: `$XDG_CACHE_HOME/dsv4/kernels/<key>`."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dsv4" / "kernels" / _key()
+
+
+def _prebuilt() -> Path | None:
+    """The library `DSV4_KERNELS_PREBUILT` holds for this key, if any."""
+    folder = os.environ.get(PREBUILT_ENV)
+    lib = Path(folder) / _key() / f"{NAME}.so" if folder else None
+    return lib if lib is not None and lib.is_file() else None
+
+
+def _import(lib: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(NAME, lib)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # registers torch.ops.dsv4.*
+    return module
 
 
 def _build() -> None:
+    lib = _prebuilt()
+    if lib is not None:
+        log.info("fused CPU kernels: prebuilt, from %s", lib)
+        _bound[:] = [_import(lib)]
+        _register_fakes()
+        return
     from torch.utils import cpp_extension
 
     # pip's ninja (a dependency) sits beside this interpreter: every process uses it, first on PATH.
@@ -212,12 +246,26 @@ def module() -> Any:
     return _bound[0]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """`python -m dsv4_engine.kernels`: build the kernels ahead of any server (the test command
     and images do, so no start waits on a build); prints where they are. Exit 1 where they cannot be
     built (the torch forms still run, slower)."""
+    parser = argparse.ArgumentParser(prog="python -m dsv4_engine.kernels", description=main.__doc__)
+    parser.add_argument(
+        "--prebuilt-dir",
+        type=Path,
+        help=f"also copy the library to DIR/<key>/, for processes run with {PREBUILT_ENV}=DIR (an image "
+        "without a compiler)",
+    )
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not available():
         return 1
-    print(cache_dir())
+    if args.prebuilt_dir is None:
+        print(cache_dir())
+        return 0
+    dst = args.prebuilt_dir / _key()
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(module().__file__, dst / f"{NAME}.so")
+    print(dst)
     return 0
