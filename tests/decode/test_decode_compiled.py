@@ -7,7 +7,6 @@ artefacts land in the inductor cache outside the repository, so later runs mostl
 from __future__ import annotations
 
 import logging
-
 from pathlib import Path
 
 import pytest

@@ -67,10 +67,17 @@ def test_a_prebuilt_library_loads_with_no_compiler_and_writes_nothing(tmp_path: 
         "want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w; "
         "assert torch.allclose(build.module().rms_norm(x, w, 1e-6), want, atol=1e-5)"
     )
-    bare = {**env, "DSV4_KERNELS_PREBUILT": str(prebuilt), "XDG_CACHE_HOME": str(cache), "PATH": "/nonexistent"}
+    bare = {
+        **env,
+        "DSV4_KERNELS_PREBUILT": str(prebuilt),
+        "XDG_CACHE_HOME": str(cache),
+        "PATH": "/nonexistent",
+    }
     got = subprocess.run([sys.executable, "-c", code], env=bare, capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-2000:]
     assert not any(cache.iterdir())
     without = {**bare, "DSV4_KERNELS_PREBUILT": str(tmp_path / "elsewhere")}  # the control: no library there
-    got = subprocess.run([sys.executable, "-c", code], env=without, capture_output=True, text=True, timeout=300)
+    got = subprocess.run(
+        [sys.executable, "-c", code], env=without, capture_output=True, text=True, timeout=300
+    )
     assert got.returncode != 0 and "fused CPU kernels unavailable" in got.stderr
