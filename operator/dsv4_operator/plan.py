@@ -144,6 +144,10 @@ def serve_args(
 
 
 def router_policy_args(dep: Dsv4Deployment) -> list[str]:
+    # sglang-router 0.3.2 never seeds the PD prefill policy's tree (its worker-registration step
+    # initialises only the per-model policy), so `cache_aware` for prefill picks at random ("No tree
+    # found for model ..., using random worker selection" at debug level) and no flag of 0.3.2 changes
+    # that; fixed upstream in smg (sgl-model-gateway's successor), PR #1520.
     r = dep.spec.router
     return ["--pd-disaggregation", "--prefill-policy", r.prefill_policy, "--decode-policy", r.decode_policy]
 

@@ -59,7 +59,7 @@ def check_bundle(mem, specs: list[ExtendSpec], bundle) -> None:
             ("c4s", 4, pool.req_to_token_c4_state),
             ("c128s", 128, pool.req_to_token_c128_state),
         ):
-            start = max(lo, state_alloc_offset(ratio, hi)) if a._active[fam] else hi
+            start = max(lo, state_alloc_offset(ratio, hi)) if fam in a.geometry.state_families else hi
             want[fam] += table[i, start:hi].tolist()
     got = {
         "full": bundle.out_full_loc, "swa": bundle.out_swa_loc, "c4": bundle.out_c4_loc,

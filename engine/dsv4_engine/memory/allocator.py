@@ -23,7 +23,6 @@ free pages evicts them first, so a cached prefix never makes a request wait or b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -31,47 +30,23 @@ from .layout import Dsv4MemoryLayout
 from .out_cache_loc import DSV4OutCacheLoc, ExtendSpec
 from .page_pool import OutOfPages, PagePool
 from .prefix_cache import PrefixCache, PrefixHit, Snapshot
+from .req_pages import (
+    FAMILIES,
+    STATE_RATIOS,
+    Geometry,
+    Plan,
+    ReqPages,
+    bundle,
+    hold_plan,
+    plan_step,
+    rows,
+    slots,
+)
 from .req_to_token import Dsv4ReqPool, TableWrites
 from .sizing import PoolSizes
-from .state_tail import (
-    cdiv,
-    state_alloc_offset,
-    state_keep_from,
-    state_read_range,
-    swa_keep_from,
-    swa_window_start,
-)
+from .state_tail import cdiv, state_read_range, swa_keep_from
 
-FAMILIES = ("full", "swa", "c4s", "c128s")
-
-
-@dataclass
-class _ReqPages:
-    seq_len: int = 0
-    full: list[int] = field(default_factory=list)  # page index k -> page, for positions [kP, (k+1)P)
-    swa: dict[int, int] = field(default_factory=dict)  # page index -> swa page (window only)
-    c4s: dict[int, int] = field(default_factory=dict)  # page index -> c4 state page (tail only)
-    c128s: dict[int, int] = field(default_factory=dict)
-
-
-@dataclass
-class _Plan:
-    """What a step frees and allocates, computed before anything changes (so a step is atomic)."""
-
-    free: dict[str, list[tuple[int, int]]]  # family -> [(page index, page)]
-    need: dict[str, list[int]]  # family -> page indices to allocate
-
-
-def _slots(pages: list[int] | dict[int, int], p: int, lo: int, hi: int) -> list[int]:
-    """Slots of positions [lo, hi) in pages of size p (`pages[k]` holds positions [kp, (k+1)p))."""
-    return [pages[i // p] * p + i % p for i in range(lo, hi)]
-
-
-def _rows(full: list[int], p: int, ratio: int, prefix: int, seq: int) -> list[int]:
-    """Compressed-row slots of the blocks a step completes (prefix//ratio .. seq//ratio - 1): a block's
-    row lives in the full page of its first token, `p // ratio` rows a page."""
-    firsts = range(prefix // ratio * ratio, seq // ratio * ratio, ratio)
-    return [full[f // p] * (p // ratio) + (f % p) // ratio for f in firsts]
+__all__ = ["FAMILIES", "Dsv4Allocator"]
 
 
 class Dsv4Allocator:
@@ -89,9 +64,9 @@ class Dsv4Allocator:
             "c4s": PagePool("c4_state", sizes.c4_state_pages if has_c4 else 0),
             "c128s": PagePool("c128_state", sizes.c128_state_pages if has_c128 else 0),
         }
-        self._state_ratio = {"c4s": 4, "c128s": 128}
-        self._active = {"c4s": has_c4, "c128s": has_c128}
-        self._reqs: dict[int, _ReqPages] = {}
+        states = (("c4s",) if has_c4 else ()) + (("c128s",) if has_c128 else ())
+        self.geometry = Geometry(self.page_size, layout.window, self.max_ctx, states)
+        self._reqs: dict[int, ReqPages] = {}
         self._journal: list[tuple[str, tuple]] | None = None
         self._pins: dict[int, int] = {}  # row -> pins (PD writes queued or in flight that read it)
         self._deferred: set[int] = set()  # rows freed while pinned: freed at their last unpin
@@ -156,12 +131,12 @@ class Dsv4Allocator:
 
     def pages_of(self, req_idx: int) -> dict[str, list[int]]:
         """Every page the row holds, per family."""
-        r = self._reqs.get(req_idx, _ReqPages())
+        r = self._reqs.get(req_idx, ReqPages())
         return {"full": list(r.full), "swa": list(r.swa.values()), "c4s": list(r.c4s.values()),
                 "c128s": list(r.c128s.values())}  # fmt: skip
 
     def held_pages(self, req_idx: int) -> dict[str, int]:
-        r = self._reqs.get(req_idx, _ReqPages())
+        r = self._reqs.get(req_idx, ReqPages())
         return {"full": len(r.full), "swa": len(r.swa), "c4s": len(r.c4s), "c128s": len(r.c128s)}
 
     def num_free(self) -> dict[str, int]:
@@ -175,54 +150,12 @@ class Dsv4Allocator:
         return {name: pool.usage() for name, pool in self.pools.items()}
 
     # ---- planning ------------------------------------------------------------------------------
-    def _pages_in(self, lo: int, hi: int) -> range:
-        p = self.page_size
-        return range(lo // p, cdiv(hi, p)) if hi > lo else range(0)
-
-    def _plan(self, spec: ExtendSpec) -> _Plan:
+    def _plan(self, spec: ExtendSpec) -> Plan:
         self._check_row(spec.req_idx)
-        r = self._reqs.get(spec.req_idx, _ReqPages())
-        if spec.prefix_len != r.seq_len:
-            raise ValueError(
-                f"request {spec.req_idx}: prefix_len {spec.prefix_len} != allocated length {r.seq_len}"
-            )
-        if not spec.prefix_len < spec.seq_len <= self.max_ctx:
-            raise ValueError(f"request {spec.req_idx}: need prefix < seq <= {self.max_ctx}, got {spec}")
-        p, prefix, seq = self.page_size, spec.prefix_len, spec.seq_len
-        free: dict[str, list[tuple[int, int]]] = {f: [] for f in FAMILIES}
-        need: dict[str, list[int]] = {f: [] for f in FAMILIES}
-        need["full"] = list(range(len(r.full), cdiv(seq, p)))
-        # SWA: pages wholly behind what this step can still see are released.
-        keep = swa_keep_from(prefix, self.layout.window)
-        free["swa"] = [(k, pg) for k, pg in r.swa.items() if (k + 1) * p <= keep]
-        need["swa"] = [k for k in self._pages_in(prefix, seq) if k not in r.swa]
-        for fam, ratio in self._state_ratio.items():
-            if not self._active[fam]:
-                continue
-            held: dict[int, int] = getattr(r, fam)
-            keep = state_keep_from(ratio, prefix, seq)
-            free[fam] = [(k, pg) for k, pg in held.items() if (k + 1) * p <= keep]
-            lo = state_alloc_offset(ratio, seq)
-            for k in self._pages_in(lo, seq):
-                if k in held:
-                    continue
-                if max(lo, k * p) < prefix:  # state written by earlier steps must still be resident
-                    raise AssertionError(f"request {spec.req_idx}: {fam} state page {k} lost before use")
-                need[fam].append(k)
-        return _Plan(free=free, need=need)
+        return plan_step(self._reqs.get(spec.req_idx, ReqPages()), spec, self.geometry)
 
     def _hold_plan(self, seq_len: int) -> dict[str, list[int]]:
-        """Page indices per family a request of seq_len holds to continue: every full page, the SWA
-        pages from the window's start, the state tails (what alloc_prealloc takes)."""
-        p = self.page_size
-        need = {
-            "full": list(range(cdiv(seq_len, p))),
-            "swa": list(self._pages_in(swa_window_start(seq_len, self.layout.window, p), seq_len)),
-        }
-        for fam, ratio in self._state_ratio.items():
-            active = self._active[fam]
-            need[fam] = list(self._pages_in(state_alloc_offset(ratio, seq_len), seq_len)) if active else []
-        return need
+        return hold_plan(seq_len, self.geometry)
 
     def pages_to_hold(self, seq_len: int) -> dict[str, int]:
         """Pages per family a request of seq_len holds (alloc_prealloc's)."""
@@ -231,14 +164,14 @@ class Dsv4Allocator:
     def growth(self, req_idx: int, seq_len: int) -> dict[str, int]:
         """Pages per family the row must still take to reach seq_len: the full pages it lacks, and for
         the window and the state tails what a request of seq_len holds beyond what it holds now."""
-        r = self._reqs.get(req_idx, _ReqPages())
+        r = self._reqs.get(req_idx, ReqPages())
         hold = self.pages_to_hold(seq_len)
         return {
             "full": max(0, hold["full"] - len(r.full)),
             **{fam: max(0, hold[fam] - len(getattr(r, fam))) for fam in ("swa", "c4s", "c128s")},
         }
 
-    def _net(self, plans: Sequence[_Plan]) -> dict[str, int]:
+    def _net(self, plans: Sequence[Plan]) -> dict[str, int]:
         """Pages per family the plans take, less the releases that make a page free or evictable
         (a page another request also holds is counted as staying taken)."""
         pools = self.pools
@@ -313,10 +246,10 @@ class Dsv4Allocator:
                 raise OutOfPages(
                     f"{fam} pool: prealloc needs {len(need[fam])}, {self.pools[fam].num_free} free"
                 )
-        self._reqs[req_idx] = _ReqPages()
+        self._reqs[req_idx] = ReqPages()
         empty = {f: [] for f in FAMILIES}
         writes = TableWrites()
-        self._apply(ExtendSpec(req_idx, 0, seq_len), _Plan(free=empty, need=need), writes)
+        self._apply(ExtendSpec(req_idx, 0, seq_len), Plan(free=empty, need=need), writes)
         writes.flush()
         self._log("alloc_prealloc", req_idx, seq_len)
 
@@ -328,7 +261,7 @@ class Dsv4Allocator:
             "c128s": pool.req_to_token_c128_state,
         }
 
-    def _release(self, spec: ExtendSpec, plan: _Plan) -> None:
+    def _release(self, spec: ExtendSpec, plan: Plan) -> None:
         """Give back the pages the plan releases and reset their table entries to the sentinel."""
         r, p, idx = self._reqs.get(spec.req_idx), self.page_size, spec.req_idx
         if r is None:
@@ -343,12 +276,12 @@ class Dsv4Allocator:
                 tables[fam][idx, k * p : (k + 1) * p] = 0
             self.pools[fam].free([pg for _, pg in freed])
 
-    def _apply(self, spec: ExtendSpec, plan: _Plan, writes: TableWrites) -> None:
+    def _apply(self, spec: ExtendSpec, plan: Plan, writes: TableWrites) -> None:
         """Take the plan's pages and map the step's positions (its releases are `_release`'s). The
         per-position entries (full slots, c4/c128 rows) go to `writes`, one scatter per table for the
         whole batch (see `TableWrites`); page-wide ones (a page taken, every p steps at most) are
         written here. Released and taken page indices are disjoint, so the order of the two is free."""
-        r = self._reqs.setdefault(spec.req_idx, _ReqPages())
+        r = self._reqs.setdefault(spec.req_idx, ReqPages())
         pool, p, idx = self.req_pool, self.page_size, spec.req_idx
         tables = self._paged_tables()
         for fam, ks in plan.need.items():
@@ -361,9 +294,9 @@ class Dsv4Allocator:
                 held[k] = pg
                 self._map_page(tables[fam], idx, k, pg)
         prefix, seq = spec.prefix_len, spec.seq_len
-        writes.add(pool.req_to_token, idx, prefix, _slots(r.full, p, prefix, seq))
+        writes.add(pool.req_to_token, idx, prefix, slots(r.full, p, prefix, seq))
         for ratio, table in ((4, pool.req_to_token_c4), (128, pool.req_to_token_c128)):
-            writes.add(table, idx, prefix // ratio, _rows(r.full, p, ratio, prefix, seq))
+            writes.add(table, idx, prefix // ratio, rows(r.full, p, ratio, prefix, seq))
         r.seq_len = seq
 
     def _map_page(self, table: torch.Tensor, idx: int, k: int, page: int) -> None:
@@ -373,36 +306,7 @@ class Dsv4Allocator:
         table[idx, lo:hi] = torch.arange(page * p, page * p + hi - lo, dtype=torch.int32)
 
     def _bundle(self, specs: Sequence[ExtendSpec]) -> DSV4OutCacheLoc:
-        """The step's slots, computed from the pages each request holds (the same values `_apply`
-        wrote to the tables) rather than read back from them slice by slice."""
-        full, swa, c4, c128, c4s, c128s = [], [], [], [], [], []
-        out = DSV4OutCacheLoc(*(torch.empty(0, dtype=torch.int64) for _ in range(6)))
-        p = self.page_size
-        for s in specs:
-            r, prefix, seq = self._reqs[s.req_idx], s.prefix_len, s.seq_len
-            full += _slots(r.full, p, prefix, seq)
-            swa += _slots(r.swa, p, prefix, seq)
-            c4 += _rows(r.full, p, 4, prefix, seq)
-            c128 += _rows(r.full, p, 128, prefix, seq)
-            lo4 = max(prefix, state_alloc_offset(4, seq)) if self._active["c4s"] else seq
-            lo128 = max(prefix, state_alloc_offset(128, seq)) if self._active["c128s"] else seq
-            c4s += _slots(r.c4s, p, lo4, seq)
-            c128s += _slots(r.c128s, p, lo128, seq)
-            out.extend_counts.append(seq - prefix)
-            out.c4_counts.append(seq // 4 - prefix // 4)
-            out.c128_counts.append(seq // 128 - prefix // 128)
-            out.c4_state_counts.append(seq - lo4)
-            out.c128_state_counts.append(seq - lo128)
-        if specs:
-            (
-                out.out_full_loc,
-                out.out_swa_loc,
-                out.out_c4_loc,
-                out.out_c128_loc,
-                out.out_c4_state_loc,
-                out.out_c128_state_loc,
-            ) = (torch.tensor(x, dtype=torch.int64) for x in (full, swa, c4, c128, c4s, c128s))
-        return out
+        return bundle([(self._reqs[s.req_idx], s) for s in specs], self.geometry)
 
     # ---- the prefix cache ---------------------------------------------------------------------------
     def match_prefix(self, req_idx: int, tokens: Sequence[int], limit: int) -> PrefixHit:
@@ -418,7 +322,7 @@ class Dsv4Allocator:
         if not hit.length:
             return hit
         p, pool, n = self.page_size, self.req_pool, hit.length
-        r = self._reqs[req_idx] = _ReqPages(seq_len=n, full=list(hit.full))
+        r = self._reqs[req_idx] = ReqPages(seq_len=n, full=list(hit.full))
         self.pools["full"].share(r.full)
         tables = self._paged_tables()
         for fam, pages in hit.snapshot.items():
@@ -427,9 +331,9 @@ class Dsv4Allocator:
             for k, pg in pages.items():
                 self._map_page(tables[fam], req_idx, k, pg)
         writes = TableWrites()
-        writes.add(pool.req_to_token, req_idx, 0, _slots(r.full, p, 0, n))
+        writes.add(pool.req_to_token, req_idx, 0, slots(r.full, p, 0, n))
         for ratio, table in ((4, pool.req_to_token_c4), (128, pool.req_to_token_c128)):
-            writes.add(table, req_idx, 0, _rows(r.full, p, ratio, 0, n))
+            writes.add(table, req_idx, 0, rows(r.full, p, ratio, 0, n))
         writes.flush()
         return hit
 
@@ -446,15 +350,15 @@ class Dsv4Allocator:
         self.prefix_cache.insert(tokens, r.full[: n // self.page_size], self._snapshot(r, n))
         self._log("cache_prefix", req_idx, list(tokens))
 
-    def _snapshot(self, r: _ReqPages, n: int) -> Snapshot | None:
+    def _snapshot(self, r: ReqPages, n: int) -> Snapshot | None:
         """The SWA and state pages a request resuming at n reads, if the row holds all of them now."""
         if r.seq_len != n:  # the state at n was a tail the row has moved past
             return None
         p = self.page_size
         want = {"swa": range(swa_keep_from(n, self.layout.window) // p, n // p)}
-        for fam, ratio in self._state_ratio.items():
-            lo, hi = state_read_range(ratio, n)
-            want[fam] = range(lo // p, cdiv(hi, p)) if self._active[fam] and hi > lo else range(0)
+        for fam in self.geometry.state_families:
+            lo, hi = state_read_range(STATE_RATIOS[fam], n)
+            want[fam] = range(lo // p, cdiv(hi, p)) if hi > lo else range(0)
         held = {"swa": r.swa, "c4s": r.c4s, "c128s": r.c128s}
         if any(k not in held[fam] for fam, ks in want.items() for k in ks):
             return None
