@@ -26,82 +26,15 @@ and frees them through the allocator's one free path.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from .memory.allocator import FAMILIES, Dsv4Allocator
 from .memory.out_cache_loc import DSV4OutCacheLoc, ExtendSpec
 from .memory.state_tail import cdiv
-from .sampling_params import SamplingParams
+from .sequence import ScheduledChunk, SeqStatus, Sequence
 
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass
-class Sequence:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    output_token_ids: list[int] = field(default_factory=list)
-    status: SeqStatus = SeqStatus.WAITING
-    req_idx: int | None = None
-    num_computed: int = 0  # positions whose KV is in the pools
-    finish_reason: str | None = None
-    prompt_counted: bool = False
-    # PD prefill: when it finishes (or is aborted) its pages stay held until `release`, because a
-    # transfer may still be reading them.
-    hold: bool = False
-    num_forwarded: int = 0  # tokens of this request the model ran (PD: decode never re-runs the prompt)
-    # Engine-side handles the scheduler never reads: the request's seeded sampling generator.
-    generator: object | None = None
-    grammar: object | None = None  # its llguidance matcher when params.grammar is set (dsv4_engine.grammar)
-    # Logprobs for requests that ask (sampler.TokenLogprobs): the prompt's, entry p for token p + 1,
-    # filled chunk by chunk (kept across a preemption, so a recompute does not repeat them); and the
-    # token sampled by the latest step.
-    prompt_logprobs: list[Any] = field(default_factory=list)
-    step_logprobs: Any = None
-    # Prefix cache: prompt tokens its first admission resumed from the cache (None: not admitted yet),
-    # and the positions where its chunks end so the cache can keep a snapshot there.
-    num_cached_tokens: int | None = None
-    cache_cuts: set[int] = field(default_factory=set)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_pending(self) -> int:
-        return self.num_tokens - self.num_computed
-
-
-@dataclass
-class ScheduledChunk:
-    """Positions [start, end) of seq; sample: the chunk reaches the last known token, so the
-    forward yields the next one (fixed when scheduled)."""
-
-    seq: Sequence
-    start: int
-    end: int
-    sample: bool = field(init=False)
-    token_ids: list[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.sample = self.end == self.seq.num_tokens
-        self.token_ids = self.seq.all_token_ids[self.start : self.end]
-
-    @property
-    def is_decode(self) -> bool:
-        return self.end - self.start == 1 and self.sample and self.start > 0
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SeqStatus", "Sequence"]
 
 
 @dataclass

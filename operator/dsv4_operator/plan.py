@@ -36,6 +36,8 @@ MANAGER = "dsv4-operator"
 
 MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/dsv4"
+# Compiled decode steps (torch.compile's artefacts), kept across container restarts.
+COMPILE_CACHE_MOUNT = "/var/cache/dsv4"
 PROBE_PERIOD_SECONDS = 10
 ROUTER_COMMAND = ("python3", "-m", "sglang_router.launch_router")
 SERVE_COMMAND = ("dsv4", "serve")
@@ -130,6 +132,8 @@ def serve_args(
         "--max-num-seqs", str(eng.max_num_seqs),
         "--max-waiting", str(eng.max_waiting),
         "--grace-period", str(eng.grace_period_seconds),
+        *([] if eng.enforce_eager else ["--no-enforce-eager"]),
+        *([] if eng.prefix_cache else ["--disable-radix-cache"]),
         "--disaggregation-mode", role,
         "--transfer-protocol", eng.transfer_protocol,
         "--tp-size", str(rs.tensor_parallel_size),

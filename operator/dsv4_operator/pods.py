@@ -6,6 +6,7 @@ from typing import Any
 
 from dsv4_operator.plan import (
     A_BOOTSTRAP_PORT,
+    COMPILE_CACHE_MOUNT,
     CONFIG_MOUNT,
     MODEL_MOUNT,
     PROBE_PERIOD_SECONDS,
@@ -138,6 +139,12 @@ def worker_statefulset(dep: Dsv4Deployment, p: Plan, rp: RolePlan, meta: Obj) ->
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
+    if not eng.enforce_eager:
+        # A pod's emptyDir outlives its container: a restarted engine loads its compiled decode steps
+        # instead of compiling them again. torch keys them by graph and version itself.
+        volumes.append({"name": "compile-cache", "emptyDir": {}})
+        mounts.append({"name": "compile-cache", "mountPath": COMPILE_CACHE_MOUNT})
+        env.append({"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{COMPILE_CACHE_MOUNT}/inductor"})
     for vol, path, kind in _ascend_host_paths(dep) if ascend else ():
         volumes.append({"name": vol, "hostPath": {"path": path, "type": kind}})
         mounts.append({"name": vol, "mountPath": path, "readOnly": True})

@@ -114,6 +114,8 @@ class EngineSpec(_Model):
     port: Port = 30000
     bootstrap_port: Port = 8998
     grace_period_seconds: Annotated[int, Field(ge=0, le=3600)] = 60
+    enforce_eager: bool = True
+    prefix_cache: bool = True
     env: Annotated[list[EnvVar], Field(max_length=64)] | None = None
 
 

@@ -189,6 +189,27 @@ def test_probes_tolerate_long_model_loads(with_spec: Make) -> None:
         assert c["livenessProbe"]["failureThreshold"] * c["livenessProbe"]["periodSeconds"] <= 300
 
 
+def test_compiled_decode_keeps_its_artefacts_and_the_prefix_cache_can_be_off(with_spec: Make) -> None:
+    """engine.enforceEager false: `--no-enforce-eager`, and the compiled decode steps go to an emptyDir
+    that outlives the container (a restarted engine loads them); engine.prefixCache false:
+    `--disable-radix-cache`. The defaults pass neither flag and mount no compile cache."""
+    for eager, cached in ((True, True), (False, False)):
+        objs = objects(with_spec(engine={"enforceEager": eager, "prefixCache": cached}))
+        for role in ("prefill", "decode"):
+            sts = find(objs, "StatefulSet", role)
+            c, volumes = container(sts), {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+            parsed = serve_parser().parse_args(c["args"])
+            assert (parsed.enforce_eager, parsed.disable_radix_cache) == (eager, not cached)
+            assert ("--no-enforce-eager" in c["args"]) == (not eager)
+            assert ("--disable-radix-cache" in c["args"]) == (not cached)
+            mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+            if eager:
+                assert "compile-cache" not in volumes and "TORCHINDUCTOR_CACHE_DIR" not in env_of(c)
+                continue
+            assert volumes["compile-cache"] == {"name": "compile-cache", "emptyDir": {}}
+            assert env_of(c)["TORCHINDUCTOR_CACHE_DIR"] == f"{mounts['compile-cache']}/inductor"
+
+
 def test_cpu_example_has_no_ascend_settings() -> None:
     objs = objects(yaml.safe_load((ROOT / "examples" / "cpu-tiny.yaml").read_text()))
     for role in ("prefill", "decode"):
