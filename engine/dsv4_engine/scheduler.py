@@ -268,16 +268,19 @@ class Scheduler:
     def _resume_cached(self, seq: Sequence) -> int:
         """Start a just-admitted request from the longest cached prefix of its tokens; choose where
         its chunks end so the cache gets a snapshot: where its tokens leave the cached pages (a shared
-        system prompt's junction), and the last page boundary a request with the same prompt can
-        resume from (n > 1, a retry, the next turn of a chat). Returns the positions resumed."""
+        system prompt's junction). The prompt's last page boundary needs no cut (its final chunk
+        leaves the state there, `state_write_from`) unless the prompt ends on it: a request with the
+        same prompt (n > 1, a retry) resumes a page earlier, its last token always computed.
+        Returns the positions resumed."""
         assert seq.req_idx is not None
         if self.allocator.prefix_cache is None:
             return 0
         p = self.config.page_size
         hit = self.allocator.match_prefix(seq.req_idx, seq.all_token_ids, self._cache_limit(seq))
         seq.num_computed = hit.length
-        last = (len(seq.prompt_token_ids) - 1) // p * p
-        seq.cache_cuts = {c for c in (hit.matched, last) if c > hit.length}
+        n = len(seq.prompt_token_ids)
+        cuts = (hit.matched, n - p) if n % p == 0 else (hit.matched,)
+        seq.cache_cuts = {c for c in cuts if c > hit.length}
         return hit.length
 
     def _awaits_shared_prefill(

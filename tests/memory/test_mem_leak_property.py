@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from dsv4_engine.memory import ExtendSpec, OutOfPages
 from dsv4_engine.memory.allocator import FAMILIES
 from dsv4_engine.memory.sizing import state_pages_per_req, swa_pages_per_req
-from dsv4_engine.memory.state_tail import state_alloc_offset
+from dsv4_engine.memory.state_tail import state_write_from
 
 MAX_CTX = 1536
 
@@ -59,7 +59,7 @@ def check_bundle(mem, specs: list[ExtendSpec], bundle) -> None:
             ("c4s", 4, pool.req_to_token_c4_state),
             ("c128s", 128, pool.req_to_token_c128_state),
         ):
-            start = max(lo, state_alloc_offset(ratio, hi)) if fam in a.geometry.state_families else hi
+            start = state_write_from(ratio, lo, hi, a.page_size) if fam in a.geometry.state_families else hi
             want[fam] += table[i, start:hi].tolist()
     got = {
         "full": bundle.out_full_loc, "swa": bundle.out_swa_loc, "c4": bundle.out_c4_loc,

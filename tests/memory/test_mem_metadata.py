@@ -36,9 +36,10 @@ def test_chunked_prefill_fields_hand_checked(make_mem) -> None:
         and m2.c4.state_read_slots[0, 4:].sum() == 0
     )
     assert m2.c128.state_read_len.tolist() == [0]  # 128 is a block boundary: nothing to carry
-    # State writes: tail of 300 is [256, 300) for both ratios; token index = position - 128.
-    assert m2.c4.state_write_pos.tolist() == list(range(256, 300))
-    assert m2.c4.state_write_token.tolist() == list(range(128, 172))
+    # State writes: tail of 300 is [256, 300) for both ratios, and for c4 the block [252, 256) before
+    # the last page boundary (what a prefix-cache snapshot at 256 reads); token index = position - 128.
+    assert m2.c4.state_write_pos.tolist() == list(range(252, 300))
+    assert m2.c4.state_write_token.tolist() == list(range(124, 172))
     assert m2.positions.tolist() == list(range(128, 300)) and m2.cu_extend.tolist() == [0, 172]
     assert m2.c4.visible[:3].tolist() == [32, 32, 32] and int(m2.c4.visible[-1]) == 75
     # SWA: window of position 128 is 113..128 in slot order; compressed rows via one page table.

@@ -100,18 +100,26 @@ def test_snapshot_keeps_what_resuming_at_the_boundary_reads(make_mem) -> None:
     assert a.num_free() == {f: p.num_pages for f, p in a.pools.items()}
 
 
-def test_no_snapshot_where_no_chunk_ended(make_mem) -> None:
-    """A prefix offered after the row moved past it keeps its full pages (a junction the scheduler can
-    end a chunk at) but nothing to resume from."""
+def test_a_chunk_past_the_boundary_leaves_its_snapshot_and_only_the_latest(make_mem) -> None:
+    """A chunk [0, 300) also writes the C4 state of block [252, 256), so the boundary 256 is
+    resumable after it. Once the row reached the next boundary (384), 256 keeps only its full pages:
+    a junction the scheduler can end a chunk at, nothing to resume from."""
     mem = make_mem(prefix_cache=True)
     a = mem.alloc
     r = a.alloc_request()
     _prefill(a, r, [300])
     a.cache_prefix(r, TOKENS[:256])
-    assert a.prefix_cache is not None and a.prefix_cache.num_snapshots == 0
+    cache = a.prefix_cache
+    assert cache is not None and cache.num_snapshots == 1
     r2 = a.alloc_request()
-    hit = a.match_prefix(r2, TOKENS, 599)
-    assert hit.length == 0 and hit.matched == 256 and a.seq_len(r2) == 0
+    _prefill(a, r2, [400])
+    a.cache_prefix(r2, random_ids(400, seed=12)[:256])
+    assert cache.num_snapshots == 1 and cache.num_nodes == 4
+    r3 = a.alloc_request()
+    hit = a.match_prefix(r3, random_ids(400, seed=12), 399)
+    assert hit.length == 0 and hit.matched == 256 and a.seq_len(r3) == 0
+    r4 = a.alloc_request()
+    assert a.match_prefix(r4, TOKENS, 599).length == 256
 
 
 def test_eviction_is_lru_and_never_takes_a_running_rows_page(make_mem) -> None:

@@ -20,7 +20,7 @@ import torch
 from ..memory.layout import Dsv4MemoryLayout
 from ..memory.out_cache_loc import DSV4OutCacheLoc, ExtendSpec
 from ..memory.req_to_token import Dsv4ReqPool
-from ..memory.state_tail import cdiv, state_alloc_offset, state_read_range
+from ..memory.state_tail import cdiv, state_read_range
 
 I64 = torch.int64
 
@@ -160,6 +160,7 @@ def _compress_extend(
     table = req_pool.req_to_token_c4_state if ratio == 4 else req_pool.req_to_token_c128_state
     block_loc = bundle.out_c4_loc if ratio == 4 else bundle.out_c128_loc
     state_loc = bundle.out_c4_state_loc if ratio == 4 else bundle.out_c128_state_loc
+    written = bundle.c4_state_counts if ratio == 4 else bundle.c128_state_counts
     bpos, breq, rstart, rlen, rslots, wpos, wtok = [], [], [], [], [], [], []
     for b, s in enumerate(specs):
         blocks = torch.arange(s.prefix_len // ratio, s.seq_len // ratio)
@@ -169,7 +170,7 @@ def _compress_extend(
         rstart.append(start)
         rlen.append(n)
         rslots.append(slots)
-        lo = max(s.prefix_len, state_alloc_offset(ratio, s.seq_len))
+        lo = s.seq_len - written[b]  # the step's state writes: the bundle decides them
         wpos.append(torch.arange(lo, s.seq_len))
         wtok.append(torch.arange(lo, s.seq_len) - s.prefix_len + cu[b])
     n_blocks = sum(len(x) for x in bpos)

@@ -352,7 +352,7 @@ class Dsv4Allocator:
 
     def _snapshot(self, r: ReqPages, n: int) -> Snapshot | None:
         """The SWA and state pages a request resuming at n reads, if the row holds all of them now."""
-        if r.seq_len != n:  # the state at n was a tail the row has moved past
+        if n != r.seq_len // self.page_size * self.page_size:  # only the latest boundary's state is kept
             return None
         p = self.page_size
         want = {"swa": range(swa_keep_from(n, self.layout.window) // p, n // p)}

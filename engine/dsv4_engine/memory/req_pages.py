@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .out_cache_loc import DSV4OutCacheLoc, ExtendSpec
-from .state_tail import cdiv, state_alloc_offset, state_keep_from, swa_keep_from, swa_window_start
+from .state_tail import (
+    cdiv,
+    state_alloc_offset,
+    state_keep_from,
+    state_write_from,
+    swa_keep_from,
+    swa_window_start,
+)
 
 FAMILIES = ("full", "swa", "c4s", "c128s")
 STATE_RATIOS = {"c4s": 4, "c128s": 128}
@@ -85,6 +92,10 @@ def plan_step(r: ReqPages, spec: ExtendSpec, g: Geometry) -> Plan:
             if max(lo, k * p) < prefix:  # state written by earlier steps must still be resident
                 raise AssertionError(f"request {spec.req_idx}: {fam} state page {k} lost before use")
             need[fam].append(k)
+        # What the step writes beyond its tail (the block before a page boundary, state_write_from).
+        wrote = state_write_from(ratio, prefix, seq, p)
+        need[fam] += [k for k in pages_in(wrote, lo, p) if k not in held and k not in need[fam]]
+        need[fam].sort()
     return Plan(free=free, need=need)
 
 
@@ -114,8 +125,8 @@ def bundle(steps: Sequence[tuple[ReqPages, ExtendSpec]], g: Geometry) -> DSV4Out
         swa += slots(r.swa, p, prefix, seq)
         c4 += rows(r.full, p, 4, prefix, seq)
         c128 += rows(r.full, p, 128, prefix, seq)
-        lo4 = max(prefix, state_alloc_offset(4, seq)) if "c4s" in g.state_families else seq
-        lo128 = max(prefix, state_alloc_offset(128, seq)) if "c128s" in g.state_families else seq
+        lo4 = state_write_from(4, prefix, seq, p) if "c4s" in g.state_families else seq
+        lo128 = state_write_from(128, prefix, seq, p) if "c128s" in g.state_families else seq
         c4s += slots(r.c4s, p, lo4, seq)
         c128s += slots(r.c128s, p, lo128, seq)
         out.extend_counts.append(seq - prefix)
