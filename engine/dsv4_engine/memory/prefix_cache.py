@@ -7,8 +7,9 @@ just been prefilled, a request needs:
 - the SWA pages of the last window before P. Older SWA pages have already been given back.
 - the C4 compressor state of block [P-4, P), the overlap half of the next block. C128 has no partial
   block at a multiple of 128 (a page is), so it needs none.
-The last two exist only at a boundary where one of the request's chunks ended, and only until the
-request moves past its window. The node for P keeps them as a snapshot. A match resumes at the
+The last two exist only at the last page boundary a prefill chunk of the request reached (the chunk
+writes that block's state, `state_tail.state_write_from`), and only until the request moves past
+its window. The node for P keeps them as a snapshot. A match resumes at the
 deepest node that has a snapshot. The matched full pages beyond it show where a new snapshot would
 pay off (a shared system prompt's junction); the scheduler ends a chunk there.
 
