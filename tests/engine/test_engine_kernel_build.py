@@ -5,6 +5,7 @@ every later start wait forever (dsv4_engine.kernels.build._build)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -19,7 +20,13 @@ from dsv4_engine import kernels
 def test_a_leftover_build_lock_does_not_stall_the_next_start() -> None:
     assert kernels.available()  # built and cached: what a restarted pod finds
     lock = kernels.cache_dir() / "lock"
-    lock.write_text("")  # what a build killed midway leaves behind
+    # What a build killed midway leaves behind, planted under the build's own lock: planted while a
+    # server of another test loads the kernels (torch's loader takes this lock file even when nothing
+    # needs building), it would leave that server waiting on it forever, and this test's process on
+    # the server's lock (a pod that never got Ready in CI).
+    with open(kernels.cache_dir() / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        lock.write_text("")
     code = "from dsv4_engine import kernels; assert kernels.available()"
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     # Bounded: without the fix this waits on the lock forever (torch polls it without a deadline).
