@@ -31,7 +31,11 @@ def time_ours(model_path: Path, prompt: list[int], new_tokens: int, dtype: str) 
     from dsv4_engine.engine import LLMEngine
     from dsv4_engine.sampling_params import SamplingParams
 
-    engine = _cached(("ours", model_path, dtype), lambda: LLMEngine(model_path, dtype=dtype, device="cpu"))
+    # Rounds repeat the prompt: without this its prefill would come from the prefix cache, HF's not.
+    engine = _cached(
+        ("ours", model_path, dtype),
+        lambda: LLMEngine(model_path, dtype=dtype, device="cpu", disable_radix_cache=True),
+    )
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
     t0 = time.perf_counter()
     engine.step()

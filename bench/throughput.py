@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=a.num_requests,
         max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill_size=a.chunked_prefill_size,
+        # Every phase runs the same prompts: with the prefix cache the later ones would resume from
+        # the earlier ones, and HF, the reference, prefills every prompt. bench/prefix.py measures it.
+        disable_radix_cache=True,
     )
     prompts = prompts_for(a.num_requests, a.min_prompt, a.max_prompt, engine.config.vocab_size, a.seed)
     prompt_tokens = sum(len(x) for x in prompts)
