@@ -18,21 +18,44 @@ from dsv4_engine import kernels
 
 
 def test_a_leftover_build_lock_does_not_stall_the_next_start() -> None:
+    """A start imports the library its key built as it is, never asking torch's builder, whose lock
+    file (left behind by a build killed midway) it would wait on for as long as the file exists."""
     assert kernels.available()  # built and cached: what a restarted pod finds
     lock = kernels.cache_dir() / "lock"
-    # What a build killed midway leaves behind, planted under the build's own lock: planted while a
-    # server of another test loads the kernels (torch's loader takes this lock file even when nothing
-    # needs building), it would leave that server waiting on it forever, and this test's process on
-    # the server's lock (a pod that never got Ready in CI).
-    with open(kernels.cache_dir() / "build.flock", "w") as held:
+    # Planted under the build's own lock, as a dead builder leaves it (never in the middle of another
+    # test's server starting).
+    with open(kernels.cache_dir() / "build.flock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         lock.write_text("")
     code = "from dsv4_engine import kernels; assert kernels.available()"
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
-    # Bounded: without the fix this waits on the lock forever (torch polls it without a deadline).
-    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    try:
+        # Bounded: a start that consulted torch's builder would wait on the lock forever.
+        got = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
+    finally:
+        lock.unlink(missing_ok=True)
     assert got.returncode == 0, got.stderr[-2000:]
-    assert not lock.exists()
+
+
+def test_a_cache_seen_under_two_paths_is_not_rebuilt(tmp_path: Path) -> None:
+    """The cluster tier's pods mount the host's kernel cache at another path, as a pod would mount a
+    volume: a start through that path imports the library the host built, and nothing is built
+    (ninja's log does not grow: through torch's builder the compile command, which names the path,
+    differed, and each start rebuilt what the other had built)."""
+    assert kernels.available()
+    here = kernels.cache_dir()
+    alias = tmp_path / "mount" / "dsv4" / "kernels"
+    alias.parent.mkdir(parents=True)
+    alias.symlink_to(here.parent, target_is_directory=True)
+    log = here / ".ninja_log"
+    before = log.read_bytes() if log.exists() else b""
+    code = "from dsv4_engine import kernels; assert kernels.available()"
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "XDG_CACHE_HOME": str(tmp_path / "mount")}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert (log.read_bytes() if log.exists() else b"") == before
 
 
 def test_each_torch_install_builds_into_its_own_folder(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ owned by another user).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -79,9 +80,39 @@ def _build() -> None:
     lib = _prebuilt()
     if lib is not None:
         log.info("fused CPU kernels: prebuilt, from %s", lib)
-        _bound[:] = [_import(lib)]
-        _register_fakes()
-        return
+        module = _import(lib)
+    else:
+        out = cache_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        module = _load_built(out) or _compile(out)
+    _register_fakes()
+    _bound[:] = [module]
+
+
+def _load_built(out: Path) -> Any | None:
+    """The library this folder's key built before, imported as it is; None when there is none yet.
+    The folder is named by the hash of the sources, torch and the flags, so a library in it is
+    current. Asking torch's builder instead has ninja compare the compile command, which names the
+    folder's path: a folder seen under two paths (a pod mounting the host's cache) was rebuilt at
+    every other start, each build undoing the other (CI: ten rebuilds of 33-254 s in one run). A
+    shared lock keeps it from reading a library another process is still writing."""
+    lib = out / f"{NAME}.so"
+    with open(out / "build.flock", "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # said, so a silent start has a reason in the log
+            log.info("fused CPU kernels: waiting for another process's build in %s", out)
+            fcntl.flock(held, fcntl.LOCK_SH)
+        if not lib.is_file():
+            return None
+        try:
+            return _import(lib)
+        except ImportError as exc:  # a build killed while linking
+            log.warning("fused CPU kernels: %s does not load (%s); building it again", lib, exc)
+            return None
+
+
+def _compile(out: Path) -> Any:
     from torch.utils import cpp_extension
 
     # pip's ninja (a dependency) sits beside this interpreter: every process uses it, first on PATH.
@@ -90,22 +121,23 @@ def _build() -> None:
     here = Path(sys.executable).parent
     if (here / "ninja").exists() or shutil.which("ninja") is None:
         os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
-    out = cache_dir()
-    out.mkdir(parents=True, exist_ok=True)
     # One build at a time, under a lock the kernel drops when its holder dies. torch's own lock is a
     # file it waits on while it exists: a build killed midway (a pod stopped during start-up) leaves
-    # it behind, and every later start would wait forever. Under our lock nobody else is building,
+    # it behind, and every later build would wait forever. Under our lock nobody else is building,
     # so a torch lock found here is such a leftover.
-    with open(out / "build.flock", "w") as held:
+    with open(out / "build.flock", "a") as held:
         try:
             fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # said, so a silent start has a reason in the log
             log.info("fused CPU kernels: waiting for another process's build in %s", out)
             fcntl.flock(held, fcntl.LOCK_EX)
         (out / "lock").unlink(missing_ok=True)
-        if not (out / f"{NAME}.so").exists():
-            log.info("fused CPU kernels: building into %s (a minute or more; once per version)", out)
-        module = cpp_extension.load(
+        lib = out / f"{NAME}.so"
+        if lib.is_file():  # built by the process this one waited for
+            with contextlib.suppress(ImportError):
+                return _import(lib)
+        log.info("fused CPU kernels: building into %s (a minute or more; once per version)", out)
+        return cpp_extension.load(
             name=NAME,
             sources=[str(_staged_sources(out))],
             build_directory=str(out),
@@ -113,8 +145,6 @@ def _build() -> None:
             is_python_module=True,
             verbose=False,
         )
-    _register_fakes()
-    _bound[:] = [module]
 
 
 def _staged_sources(out: Path) -> Path:
