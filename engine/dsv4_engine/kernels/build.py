@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,27 +90,40 @@ def _build() -> None:
     _bound[:] = [module]
 
 
+@contextlib.contextmanager
+def _build_lock(out: Path, mode: int) -> Iterator[None]:
+    """The folder's build lock: shared to read its library, exclusive to build it. The kernel drops
+    it when its holder dies, so a build killed midway never holds up the next start."""
+    with open(out / "build.flock", "a") as held:
+        try:
+            fcntl.flock(held, mode | fcntl.LOCK_NB)
+        except BlockingIOError:  # said, so a silent start has a reason in the log
+            log.info("fused CPU kernels: waiting for another process's build in %s", out)
+            fcntl.flock(held, mode)
+        yield
+
+
+def _import_built(lib: Path) -> Any | None:
+    """The library at `lib`, imported as it is; None when there is none, or it does not load (a build
+    killed while linking: it is built again)."""
+    if not lib.is_file():
+        return None
+    try:
+        return _import(lib)
+    except ImportError as exc:
+        log.warning("fused CPU kernels: %s does not load (%s); building it again", lib, exc)
+        return None
+
+
 def _load_built(out: Path) -> Any | None:
     """The library this folder's key built before, imported as it is; None when there is none yet.
     The folder is named by the hash of the sources, torch and the flags, so a library in it is
     current. Asking torch's builder instead has ninja compare the compile command, which names the
     folder's path: a folder seen under two paths (a pod mounting the host's cache) was rebuilt at
-    every other start, each build undoing the other (CI: ten rebuilds of 33-254 s in one run). A
+    every other start, each build undoing the other (CI: ten rebuilds of 33-254 s in one run). The
     shared lock keeps it from reading a library another process is still writing."""
-    lib = out / f"{NAME}.so"
-    with open(out / "build.flock", "a") as held:
-        try:
-            fcntl.flock(held, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:  # said, so a silent start has a reason in the log
-            log.info("fused CPU kernels: waiting for another process's build in %s", out)
-            fcntl.flock(held, fcntl.LOCK_SH)
-        if not lib.is_file():
-            return None
-        try:
-            return _import(lib)
-        except ImportError as exc:  # a build killed while linking
-            log.warning("fused CPU kernels: %s does not load (%s); building it again", lib, exc)
-            return None
+    with _build_lock(out, fcntl.LOCK_SH):
+        return _import_built(out / f"{NAME}.so")
 
 
 def _compile(out: Path) -> Any:
@@ -121,21 +135,15 @@ def _compile(out: Path) -> Any:
     here = Path(sys.executable).parent
     if (here / "ninja").exists() or shutil.which("ninja") is None:
         os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
-    # One build at a time, under a lock the kernel drops when its holder dies. torch's own lock is a
-    # file it waits on while it exists: a build killed midway (a pod stopped during start-up) leaves
-    # it behind, and every later build would wait forever. Under our lock nobody else is building,
-    # so a torch lock found here is such a leftover.
-    with open(out / "build.flock", "a") as held:
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # said, so a silent start has a reason in the log
-            log.info("fused CPU kernels: waiting for another process's build in %s", out)
-            fcntl.flock(held, fcntl.LOCK_EX)
+    # One build at a time. torch's own lock is a file it waits on while it exists: a build killed
+    # midway (a pod stopped during start-up) leaves it behind, and every later build would wait
+    # forever. Under our exclusive lock nobody else is building, so a torch lock found here is such a
+    # leftover.
+    with _build_lock(out, fcntl.LOCK_EX):
         (out / "lock").unlink(missing_ok=True)
-        lib = out / f"{NAME}.so"
-        if lib.is_file():  # built by the process this one waited for
-            with contextlib.suppress(ImportError):
-                return _import(lib)
+        module = _import_built(out / f"{NAME}.so")  # built by the process this one waited for
+        if module is not None:
+            return module
         log.info("fused CPU kernels: building into %s (a minute or more; once per version)", out)
         return cpp_extension.load(
             name=NAME,
