@@ -48,17 +48,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import csv
-import ctypes
 import json
 import math
 import os
 import random
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -66,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from procs import Proc, Procs, free_port, healthy, percentile, wait_until  # bench/procs.py
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
@@ -137,81 +135,12 @@ def check_counts(prompts: Sequence[Prompt], tokenizer_file: Path) -> None:
 # ---- processes ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_setup(cores: tuple[int, ...] | None) -> Callable[[], None]:
-    """In the child before exec: pin it, and have it killed when this process dies."""
-
-    def setup() -> None:
-        if cores is not None:
-            os.sched_setaffinity(0, cores)
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-    return setup
-
-
-@dataclass
-class Proc:
-    name: str
-    port: int
-    log_path: Path
-    popen: subprocess.Popen[bytes]
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def check(self) -> None:
-        if self.popen.poll() is not None:
-            tail = self.log_path.read_text(errors="replace")[-3000:]
-            raise SystemExit(f"{self.name} exited with {self.popen.returncode}; log {self.log_path}:\n{tail}")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(30)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(30)
-
-
-class Procs:
-    """Every process this bench starts; `stop_all` stops them in reverse order."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.started: list[Proc] = []
-
-    def spawn(self, name: str, cmd: list[str], port: int, cores: tuple[int, ...] | None) -> Proc:
-        env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
-        if cores is not None:
-            env["OMP_NUM_THREADS"] = str(len(cores))
-        log_path = self.log_dir / f"{name}.log"
-        with log_path.open("wb") as log:
-            popen = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=child_setup(cores)
-            )
-        proc = Proc(name, port, log_path, popen)
-        self.started.append(proc)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.started):
-            proc.stop()
-
-
 def serve(procs: Procs, ckpt: Path, name: str, cores: tuple[int, ...], *extra: str) -> Proc:
     port = free_port()
     cmd = [sys.executable, "-c", "import sys; from dsv4_operator.cli import main; sys.exit(main())"]
     cmd += ["serve", "--model", str(ckpt), "--served-model-name", NAME, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--log-level", "warning", "--grace-period", "5", *extra]
-    return procs.spawn(name, cmd, port, cores)
+    return procs.spawn(name, cmd, port=port, cores=cores)
 
 
 def router(procs: Procs, name: str, workers: list[str], request_timeout: float) -> Proc:
@@ -220,23 +149,7 @@ def router(procs: Procs, name: str, workers: list[str], request_timeout: float) 
     cmd += ["--prometheus-port", str(free_port()), "--policy", "round_robin", "--disable-retries"]
     cmd += ["--request-timeout-secs", str(math.ceil(request_timeout)), "--log-level", "warn"]
     cmd += ["--worker-startup-timeout-secs", str(int(START_TIMEOUT)), *workers]
-    return procs.spawn(name, cmd, port, None)
-
-
-def wait_until(ready: Callable[[], bool], procs: Sequence[Proc], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            p.check()
-        with contextlib.suppress(httpx.HTTPError):
-            if ready():
-                return
-        time.sleep(0.25)
-    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def healthy(base: str) -> Callable[[], bool]:
-    return lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200
+    return procs.spawn(name, cmd, port=port)
 
 
 def answers(base: str) -> Callable[[], bool]:
@@ -431,17 +344,6 @@ def router_hop(
 
 
 # ---- figures -----------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks; NaN for no values."""
-    xs = sorted(v for v in values if not math.isnan(v))
-    if not xs:
-        return math.nan
-    k = (len(xs) - 1) * q / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 @dataclass(frozen=True)

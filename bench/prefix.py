@@ -44,23 +44,22 @@ import argparse
 import asyncio
 import contextlib
 import csv
-import ctypes
 import json
 import math
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
+
+from procs import Proc, Procs, free_port, healthy, percentile, wait_until  # bench/procs.py
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
@@ -148,72 +147,6 @@ def make_workload(text: Text, a: argparse.Namespace, tag: str) -> Workload:
 # ---- processes ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def die_with_parent() -> None:
-    """In the child before exec: SIGTERM when this process dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@dataclass
-class Proc:
-    name: str
-    log_path: Path
-    popen: subprocess.Popen[bytes]
-    stop_timeout: float = 60.0
-
-    def check(self) -> None:
-        if self.popen.poll() is not None:
-            tail = self.log_path.read_text(errors="replace")[-3000:]
-            raise SystemExit(f"{self.name} exited with {self.popen.returncode}; log {self.log_path}:\n{tail}")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(30)
-
-
-class Procs:
-    """Every process this bench starts; `stop_all` stops them in reverse order."""
-
-    def __init__(self) -> None:
-        self.started: list[Proc] = []
-
-    def spawn(self, name: str, cmd: list[str], log_path: Path, stop_timeout: float = 60.0) -> Proc:
-        env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
-        env["NO_PROXY"] = ",".join(x for x in (env.get("NO_PROXY", ""), "127.0.0.1", "localhost") if x)
-        with log_path.open("wb") as log:
-            popen = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                preexec_fn=die_with_parent,
-            )
-        proc = Proc(name, log_path, popen, stop_timeout)
-        self.started.append(proc)
-        return proc
-
-    def stop(self, proc: Proc) -> None:
-        proc.stop()
-        if proc in self.started:
-            self.started.remove(proc)
-
-    def stop_all(self) -> None:
-        for proc in reversed(list(self.started)):
-            self.stop(proc)
-
-
 def engine_flags(spec: dict[str, Any]) -> list[str]:
     """The engine settings of the cluster's spec, as `dsv4 serve` flags (parts 1 and 2 alike)."""
     eng = spec["spec"]["engine"]
@@ -232,23 +165,8 @@ def serve(procs: Procs, model: Path, name: str, log_dir: Path, flags: list[str])
     cmd = [sys.executable, "-c", "import sys; from dsv4_operator.cli import main; sys.exit(main())"]
     cmd += ["serve", "--model", str(model), "--served-model-name", NAME, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--log-level", "warning", "--grace-period", "5", *flags]
-    return procs.spawn(name, cmd, log_dir / f"{name}.log"), f"http://127.0.0.1:{port}"
-
-
-def wait_until(ready: Callable[[], bool], procs: Sequence[Proc], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            p.check()
-        with contextlib.suppress(httpx.HTTPError):
-            if ready():
-                return
-        time.sleep(0.25)  # polling what the processes report, bounded by `timeout`
-    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def healthy(base: str) -> Callable[[], bool]:
-    return lambda: httpx.get(f"{base}/health", timeout=5, trust_env=False).status_code == 200
+    proc = procs.spawn(name, cmd, port=port, log_path=log_dir / f"{name}.log", stop_timeout=60.0)
+    return proc, proc.base
 
 
 @dataclass
@@ -279,7 +197,7 @@ def up(procs: Procs, a: argparse.Namespace, spec: dict[str, Any], prefill: int) 
     path.write_text(yaml.safe_dump(spec))
     cmd = [sys.executable, "-m", "dsv4_operator.cli", "up", "-f", str(path), "--ports", "free"]
     cmd += ["--log-dir", str(log_dir)]
-    proc = procs.spawn(f"dsv4 up ({prefill} prefill)", cmd, log_dir / "up.log", stop_timeout=120)
+    proc = procs.spawn(f"dsv4 up ({prefill} prefill)", cmd, log_path=log_dir / "up.log", stop_timeout=120)
     deadline = time.monotonic() + a.start_timeout
     while time.monotonic() < deadline:
         proc.check()
@@ -498,14 +416,6 @@ def warm_up(base: str, text: Text, a: argparse.Namespace) -> None:
 
 
 # ---- figures -----------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
 
 
 @dataclass
