@@ -303,7 +303,10 @@ def test_moe_pipeline_matches_a_dense_loop(torch_npu: ModuleType) -> None:
         group_type=0,
         group_list_type=1,
     )
-    out = torch_npu.npu_moe_finalize_routing(down, None, None, None, npu(weights), row_idx, npu(experts))
+    # init_routing_v2's map is row-major: finalize reads it that way with drop_pad_mode 2
+    out = torch_npu.npu_moe_finalize_routing(
+        down, None, None, None, npu(weights), row_idx, npu(experts), drop_pad_mode=2
+    )
     want = torch.zeros(n, h)
     for i in range(n):
         for j in range(k):

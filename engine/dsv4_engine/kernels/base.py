@@ -100,7 +100,8 @@ class KernelSet(ABC):
     ) -> tuple[Tensor, Tensor]:
         """(weights `[T, k]`, expert ids `[T, k]`): scores `sqrt(softplus(x @ weight.T))`, ids the
         top-k of scores + table (the correction bias) or `table[input_ids]` (is_hash), weights the
-        picked scores normalised, times scaling."""
+        picked scores normalised, times scaling. The ids' integer dtype is the set's (int32 on NPU,
+        what its expert ops take); the MoE hands them on to the same set's `routed_experts`."""
 
     @abstractmethod
     def routed_experts(

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 memory_total = 1 << 30  # bytes the reference device reports (torch.npu.mem_get_info)
 captures: list[Any] = []  # every NPUGraph captured in this process, in order
+# Calls of each torch_npu op ("npu_grouped_matmul": n) issued by the caller (a graph replay re-runs
+# its tape without counting), so a test can show which ops a forward ran; tests may clear it.
+op_calls: Counter[str] = Counter()
 
 
 def implicit_contexts() -> list[str]:

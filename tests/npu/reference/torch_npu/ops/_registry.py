@@ -8,7 +8,8 @@ hardware would reject (raising `OpError`, whose message names the op, the argume
 documented rule), and computes in plain torch. In-place ops write through the aliases.
 
 Only "npu" tensors reach these kernels (the only kernel registered is PrivateUse1's), so calling an
-op with host tensors fails in the dispatcher, as it does with torch_npu.
+op with host tensors fails in the dispatcher, as it does with torch_npu. Each call the caller issues
+is counted in `reference.op_calls`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .. import _device
+from .. import _device, reference
 
 _lib = torch.library.Library("npu", "DEF")  # torch_npu's ops live in torch.ops.npu
 
@@ -72,6 +73,7 @@ def op(schema: str) -> Callable[[Callable[..., Any]], Any]:
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
             _device._check_same_device(f"npu::{name}", (args, kwargs))
+            reference.op_calls[name] += 1
             return _device.execute(f"npu::{name}", run, args, kwargs)
 
         _lib.impl(name, kernel, "PrivateUse1")

@@ -2,31 +2,41 @@
 
 Sources:
 - npu_moe_gating_top_k: torch_npu 2.14.0 `_op_plugin_docs.py` and meta; formula and limits from
-  aclnnMoeGatingTopK.md (ops-transformer `moe/moe_gating_top_k/docs`) and the numpy reference in
-  Ascend/pytorch `test/.../test_npu_moe_gating_top_k.py`: norm = softmax (norm_type 0) or sigmoid
-  (1) of x; bias added for *selection only*; groups ranked by their max (group_select_mode 0) or
-  top-2 sum (1), k_group kept; top-k over the kept experts (ties: lower index first, a stable sort);
-  y = norm[idx], divided by (sum + eps) when norm_type is 1, times routed_scaling_factor. Limits:
-  x 2-D float16/bfloat16/float32 with at most 2048 experts; bias 1-D of E with x's dtype;
-  renorm 0 only; 1 <= k_group <= group_count; E % group_count == 0 and E / group_count > 2;
-  align32(E / group_count) * group_count <= 2048; 1 <= k <= E / group_count * k_group;
-  input_ids (int32/int64 [N]) and tid2eid (int32/int64 [V, k]) together: hash routing,
-  idx = tid2eid[input_ids]. DSV4 scores experts by sqrt(softplus(x)), which is neither norm_type.
+  aclnnMoeGatingTopK.md / aclnnMoeGatingTopKV2.md (ops-transformer `moe/moe_gating_top_k/docs`) and
+  the numpy reference in Ascend/pytorch `test/.../test_npu_moe_gating_top_k.py`: norm = softmax
+  (norm_type 0) or sigmoid (1) of x; bias added for *selection only*; groups ranked by their max
+  (group_select_mode 0) or top-2 sum (1), k_group kept; top-k over the kept experts (ties: lower
+  index first, a stable sort); y = norm[idx], divided by (sum + eps) when norm_type is 1, times
+  routed_scaling_factor. Limits: x 2-D float16/bfloat16/float32 (non-contiguous allowed) with at
+  most 2048 experts; bias 1-D of E with x's dtype; renorm 0 only; 1 <= k_group <= group_count;
+  E % group_count == 0 and E / group_count > 2; align32(E / group_count) * group_count <= 2048;
+  1 <= k <= E / group_count * k_group. Hash mode (the V2 aclnn): input_ids (int32/int64 [N]) and
+  tid2eid (int32/int64 [V, k]) together, idx = tid2eid[input_ids] (bias unused), k <= 64, input_ids
+  within [0, V). DSV4 scores experts by sqrt(softplus(x)), which is neither norm_type: the
+  ops-transformer master documents a norm_type 2 (SqrtSoftplus) and renorm 1 for softmax, which the
+  torch_npu 2.14.0 docstring does not, so both stay refused here until an A3 node shows CANN 9.1.0
+  takes them.
 - npu_moe_init_routing_v2: `_op_plugin_docs.py`: x 2-D (float16, bfloat16, float32, int8),
-  expert_idx int32 [N, K] with ids < expert_num; drop_pad_mode 0 only; quant_mode -1 (modelled) or 1;
-  expert_tokens_num_type 1 (count) or 2 (key_value); expert_tokens_num_flag True;
+  expert_idx int32 [N, K] with ids < expert_num (int64 only on the 950, aclnnMoeInitRoutingV2.md);
+  drop_pad_mode 0 only; quant_mode -1 (modelled) or 1; expert_tokens_num_type 1 (count) or 2
+  (key_value); expert_num in (0, 10240] ((0, 5120] for key_value); expert_tokens_num_flag True;
   active_expert_range [start, end) within expert_num. Rows are sorted by expert (stable), kept if
   their expert is in range; expanded_x[j] = x[src_j // K]; expanded_row_idx (row_idx_type 0, the
   gather form) maps each flattened (token, k) to its row in expanded_x, -1 if dropped; counts int64.
 - npu_moe_finalize_routing: `_op_plugin_docs.py` formula: out[i] = skip1[i] + skip2[i] +
-  sum_k scales[i, k] * (expanded[expanded_src_to_dst_row[i * K + k]] + bias[expert[i, k]])
-  (the doc writes the index i + k * num_rows for the k-major layout of init_routing v1; v2's
-  expanded_row_idx is token-major, and drop_pad_mode 0 reads it token-major here).
+  sum_k scales[i, k] * (expanded[expanded_src_to_dst_row[i + k * num_rows]] + bias[expert[i, k]]);
+  drop_pad_mode picks how the map is laid out (aclnnMoeFinalizeRoutingV2.md, which the op calls):
+  0 column-major as above (init_routing v1's map), 2 row-major, index i * K + k (init_routing_v2's
+  expanded_row_idx: what vllm-ascend and omni-infer pass after it); 1 and 3 (drop-pad) are not
+  modelled. The map is int32 within [0, NUM_ROWS * K); scales of the rows' dtype, or float32 with
+  bfloat16 rows (the A2/A3 mixed-precision case); inputs may be non-contiguous.
 - npu_grouped_matmul: `_op_plugin_docs.py`: the MoE form only — one x [M, K], one weight [E, K, N],
-  group_list int64 (group_list_type 0: cumsum, 1: counts; non-negative, cumsum non-decreasing),
-  group_type 0 (split M), split_item 2 or 3 (one output [M, N]); x/weight float16, bfloat16,
-  float32, or int8 with scale [E, N] and per_token_scale [M] (float32) and output_dtype; inner dims
-  below 65536. Rows past group_list's total are left unwritten (zero here).
+  group_list int64 of at most 1024 groups (group_list_type 0: cumsum, non-decreasing; 1: counts,
+  not of length 1; non-negative), group_type 0 (split M), split_item 2 or 3 (one output [M, N]);
+  x/weight float16, bfloat16, float32, or int8 with scale [E, N] and per_token_scale [M] (float32)
+  and output_dtype; inner dims below 65536. "x 不支持转置": x must be contiguous; "支持weight转置":
+  weight contiguous or the transpose of a contiguous [E, N, K] (strides [N*K, 1, K]), nothing
+  else. Rows past group_list's total are left unwritten (aclnnGroupedMatmulV4.md; zero here).
 """
 
 from __future__ import annotations
@@ -36,7 +46,9 @@ import torch
 from ._registry import DTYPE_ENUM, check, dtype_in, op
 
 DOC = "torch_npu 2.14.0 _op_plugin_docs.py"
-GATE_DOC = "aclnnMoeGatingTopK.md (ops-transformer) + torch_npu 2.14.0 docstring"
+GATE_DOC = "aclnnMoeGatingTopK.md, aclnnMoeGatingTopKV2.md (ops-transformer) + torch_npu 2.14.0 docstring"
+FINALIZE_DOC = "aclnnMoeFinalizeRoutingV2.md (ops-transformer) + torch_npu 2.14.0 docstring"
+GMM_DOC = "torch_npu 2.14.0 _op_plugin_docs.py (npu_grouped_matmul), aclnnGroupedMatmulV4.md"
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -113,6 +125,7 @@ def npu_moe_gating_top_k(
         dtype_in(name, "tid2eid", tid2eid, (torch.int32, torch.int64), GATE_DOC)
         check(input_ids.shape == (x.shape[0],), name, "input_ids must be 1-D with x's rows", GATE_DOC)
         check(tid2eid.dim() == 2 and tid2eid.shape[1] == k, name, f"tid2eid must be [V, k={k}]", GATE_DOC)
+        check(k <= 64, name, f"k {k} exceeds 64 in hash mode", GATE_DOC)
         check(
             bool(((input_ids >= 0) & (input_ids < tid2eid.shape[0])).all()),
             name,
@@ -171,7 +184,8 @@ def npu_moe_init_routing_v2(
     dtype_in(name, "expert_idx", expert_idx, (torch.int32,), DOC)
     check(x.dim() == 2 and expert_idx.dim() == 2, name, "x and expert_idx must be 2-D", DOC)
     check(x.shape[0] == expert_idx.shape[0], name, "x and expert_idx must have one number of rows", DOC)
-    check(expert_num > 0, name, f"expert_num must be > 0, got {expert_num}", DOC)
+    most = 5120 if expert_tokens_num_type == 2 else 10240
+    check(0 < expert_num <= most, name, f"expert_num must be in (0, {most}], got {expert_num}", DOC)
     check(drop_pad_mode == 0, name, "drop_pad_mode must be 0 (dropless)", DOC)
     check(
         expert_tokens_num_type in (1, 2),
@@ -235,8 +249,14 @@ def npu_moe_finalize_routing(
     name = "npu_moe_finalize_routing"
     rows = expanded_permuted_rows
     dtype_in(name, "expanded_permuted_rows", rows, FLOATS, DOC)
-    check(rows.dim() == 2, name, "expanded_permuted_rows must be 2-D", DOC)
-    check(drop_pad_mode == 0, name, f"drop_pad_mode {drop_pad_mode}: only 0 is modelled", DOC)
+    check(rows.dim() == 2, name, "expanded_permuted_rows must be 2-D (dropless)", DOC)
+    check(
+        drop_pad_mode in (0, 2),
+        name,
+        f"drop_pad_mode {drop_pad_mode}: only the dropless layouts 0 (column-major) and 2 (row-major) "
+        "are modelled",
+        FINALIZE_DOC,
+    )
     dtype_in(name, "expanded_src_to_dst_row", expanded_src_to_dst_row, (torch.int32,), DOC)
     kk = scales.shape[1] if scales is not None else int(k or 1)
     n = expanded_src_to_dst_row.shape[0] // kk
@@ -247,10 +267,27 @@ def npu_moe_finalize_routing(
         DOC,
     )
     check(not (skip2 is None and skip1 is not None), name, "skip1 must be None when skip2 is None", DOC)
-    for arg, t in (("skip1", skip1), ("skip2", skip2), ("bias", bias), ("scales", scales)):
+    for arg, t in (("skip1", skip1), ("skip2", skip2), ("bias", bias)):
         check(t is None or t.dtype == rows.dtype, name, f"{arg} must have expanded_permuted_rows' dtype", DOC)
-    dst = expanded_src_to_dst_row.long().view(n, kk)
-    check(bool(((dst >= 0) & (dst < rows.shape[0])).all()), name, "expanded_src_to_dst_row out of range", DOC)
+    if scales is not None:
+        mixed = rows.dtype == torch.bfloat16 and scales.dtype == torch.float32
+        check(
+            scales.dtype == rows.dtype or mixed,
+            name,
+            f"scales dtype {scales.dtype} must be expanded_permuted_rows' ({rows.dtype}), or float32 with "
+            "bfloat16 rows",
+            FINALIZE_DOC,
+        )
+    flat = expanded_src_to_dst_row.long()
+    check(
+        bool(((flat >= 0) & (flat < n * kk)).all()),
+        name,
+        f"expanded_src_to_dst_row out of [0, {n * kk})",
+        DOC,
+    )
+    # mode 0 reads the map column-major (entry i + k * n), mode 2 row-major (entry i * K + k)
+    dst = flat.view(kk, n).T if drop_pad_mode == 0 else flat.view(n, kk)
+    check(bool((dst < rows.shape[0]).all()), name, "expanded_src_to_dst_row points past the rows", DOC)
     picked = rows.float()[dst]  # [n, K, H]
     if bias is not None:
         check(export_for_source_row is not None, name, "bias needs export_for_source_row", DOC)
@@ -316,11 +353,25 @@ def npu_grouped_matmul(
         DOC,
     )
     check(a.shape[1] == w.shape[1], name, "x's K must equal weight's K", DOC)
+    check(a.is_contiguous(), name, "x must be contiguous (x transposed or strided is unsupported)", GMM_DOC)
+    check(
+        w.is_contiguous() or w.transpose(1, 2).is_contiguous(),
+        name,
+        "weight must be contiguous or the transpose of a contiguous [E, N, K] tensor",
+        GMM_DOC,
+    )
     check(a.shape[1] < 65536 and w.shape[2] < 65536, name, "inner dims must be below 65536 (InnerLimit)", DOC)
     check(group_list is not None, name, "group_list is required with group_type 0", DOC)
     dtype_in(name, "group_list", group_list, (torch.int64,), DOC)
     check(group_list.shape == (w.shape[0],), name, f"group_list must be 1-D of E={w.shape[0]}", DOC)
     check(group_list_type in (0, 1), name, "group_list_type must be 0 (cumsum) or 1 (counts)", DOC)
+    check(w.shape[0] <= 1024, name, f"{w.shape[0]} groups exceed 1024", GMM_DOC)
+    check(
+        not (group_list_type == 1 and w.shape[0] == 1),
+        name,
+        "group_list of counts (group_list_type 1) must not have length 1",
+        GMM_DOC,
+    )
     check(bool((group_list >= 0).all()), name, "group_list must be non-negative", DOC)
     ends = group_list.cumsum(0) if group_list_type == 1 else group_list
     check(bool((ends[1:] >= ends[:-1]).all()), name, "group_list (cumsum) must be non-decreasing", DOC)
