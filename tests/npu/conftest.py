@@ -14,10 +14,11 @@ reference's, not the hardware's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -27,8 +28,8 @@ REFERENCE = str(Path(__file__).parent / "reference")
 REAL = os.environ.get("DSV4_TORCH_NPU") == "real"
 
 
-@pytest.fixture
-def torch_npu() -> Iterator[ModuleType]:
+@contextlib.contextmanager
+def _importable() -> Iterator[ModuleType]:
     if REAL:
         yield importlib.import_module("torch_npu")
         return
@@ -39,7 +40,22 @@ def torch_npu() -> Iterator[ModuleType]:
         yield torch_npu
     finally:
         sys.path.remove(REFERENCE)
-        sys.modules.pop("torch_npu", None)  # its submodules stay: nothing registers twice
+        reference = sys.modules.pop("torch_npu", None)  # its submodules stay: nothing registers twice
+        if reference is not None:
+            reference._generator.uninstall()  # torch.Generator is torch's own again
+
+
+@pytest.fixture
+def torch_npu() -> Iterator[ModuleType]:
+    with _importable() as module:
+        yield module
+
+
+@pytest.fixture(scope="session")
+def importable_torch_npu() -> Callable[[], contextlib.AbstractContextManager[ModuleType]]:
+    """`with importable_torch_npu() as torch_npu:` for a fixture wider than one test (a module's
+    engine run), which the `torch_npu` fixture cannot serve."""
+    return _importable
 
 
 @pytest.fixture

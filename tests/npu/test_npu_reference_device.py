@@ -107,10 +107,12 @@ def test_a_thread_without_set_device_makes_an_implicit_context(torch_npu: Module
     assert torch_npu.reference.implicit_contexts()[before:] == ["careless"]
 
 
-def test_seeded_generators_on_npu_are_beyond_a_python_backend(torch_npu: ModuleType) -> None:
-    """torch.Generator(device="npu") needs C++ PrivateUse1 hooks (getNewGenerator): a known limit."""
+def test_a_device_generator_comes_from_the_reference_not_from_torch(torch_npu: ModuleType) -> None:
+    """torch's own constructor needs C++ PrivateUse1 hooks (getNewGenerator), which a Python backend
+    cannot register; the reference's `torch.Generator` makes one (test_npu_generator.py)."""
     with pytest.raises(RuntimeError, match="getNewGenerator"):
-        torch.Generator(device="npu")
+        torch._C.Generator(device="npu")
+    assert torch.Generator(device="npu").device == torch.device("npu:0")
 
 
 def test_the_engine_selects_the_reference_npu(torch_npu: ModuleType) -> None:
@@ -124,3 +126,4 @@ def test_other_tests_see_no_torch_npu() -> None:
     from dsv4_engine.device import npu_available
 
     assert not npu_available()
+    assert torch.Generator is torch._C.Generator

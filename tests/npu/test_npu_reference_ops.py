@@ -431,3 +431,73 @@ def test_lightning_indexer_rejects_a_sparse_count_off_its_list(reference_npu: Mo
         reference_npu.npu_lightning_indexer(
             q, cache, w, sparse_count=2049, layout_query="TND", layout_key="PA_BSND"
         )
+
+
+# --- dense attention (what HF transformers' Ascend integration imports and calls) -----------------
+def _dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, shift: int | None
+) -> torch.Tensor:
+    """q [Sq, N, D], k/v [Skv, Nkv, D]: each head's softmax over the keys it may see, one row at a
+    time; shift None: every key, else key j visible from query i when j <= i + shift."""
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1])
+    group = q.shape[1] // k.shape[1]
+    for i in range(q.shape[0]):
+        keys = [j for j in range(k.shape[0]) if shift is None or j <= i + shift]
+        for h in range(q.shape[1]):
+            logits = torch.tensor([scale * float(q[i, h] @ k[j, h // group]) for j in keys])
+            out[i, h] = sum(p * v[j, h // group] for p, j in zip(logits.softmax(0), keys, strict=True))
+    return out
+
+
+CAUSAL = torch.ones(2048, 2048, dtype=torch.bool).triu(1)  # the compressed mask of sparse modes 2-4
+
+
+@pytest.mark.parametrize(("sparse_mode", "shift"), [(None, None), (2, 0), (3, 3)])
+def test_fusion_attention_bsnd_gqa(torch_npu: ModuleType, sparse_mode: int | None, shift: int | None) -> None:
+    torch.manual_seed(4)
+    q, k, v = torch.randn(2, 5, 4, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+    mask = {} if sparse_mode is None else {"atten_mask": npu(CAUSAL), "sparse_mode": sparse_mode}
+    out, smax, ssum, sout, seed, offset, numels = torch_npu.npu_fusion_attention(
+        npu(q), npu(k), npu(v), 4, "BSND", scale=0.25, **mask
+    )
+    for b in range(2):
+        close(out.cpu()[b], _dense(q[b], k[b], v[b], 0.25, shift), 1e-5)
+    assert smax.shape == ssum.shape == (2, 4, 5, 8) and smax.dtype == torch.float32
+    assert sout.numel() == 0 and (seed, offset, numels) == (0, 0, 0)
+
+
+def test_fusion_attention_varlen_tnd(torch_npu: ModuleType) -> None:
+    """TND: cumulative lengths per batch, rightDownCausal within each (what transformers' varlen
+    path passes)."""
+    torch.manual_seed(5)
+    q, k, v = torch.randn(9, 4, 16), torch.randn(11, 4, 16), torch.randn(11, 4, 16)
+    out = torch_npu.npu_fusion_attention(
+        npu(q), npu(k), npu(v), 4, "TND", scale=0.3, atten_mask=npu(CAUSAL), sparse_mode=3,
+        actual_seq_qlen=[4, 9], actual_seq_kvlen=[5, 11],
+    )[0]  # fmt: skip
+    close(out.cpu()[:4], _dense(q[:4], k[:5], v[:5], 0.3, 1), 1e-5)
+    close(out.cpu()[4:], _dense(q[4:], k[5:], v[5:], 0.3, 1), 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"keep_prob": 0.9}, "dropout"),
+        ({"padding_mask": True}, "padding_mask is not supported"),
+        ({"sparse_mode": 3}, "compressed 2048x2048 mask"),  # a full [Sq, Skv] mask with a causal mode
+        ({"layout": "TND"}, "TND needs actual_seq_qlen"),
+        ({"dtype": torch.float16}, "share a dtype"),
+    ],
+)
+def test_fusion_attention_rejects(reference_npu: ModuleType, change: dict, match: str) -> None:
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8, dtype=change.get("dtype", torch.float32))
+    layout = change.get("layout", "BSND")
+    if layout == "TND":
+        q, k = q[0], k[0]
+    kw: dict = {"keep_prob": change.get("keep_prob", 1.0)}
+    if change.get("padding_mask"):
+        kw["padding_mask"] = npu(torch.zeros(4, 4, dtype=torch.bool))
+    if "sparse_mode" in change:
+        kw |= {"atten_mask": npu(torch.zeros(4, 4, dtype=torch.bool)), "sparse_mode": change["sparse_mode"]}
+    with pytest.raises(RuntimeError, match=match):
+        reference_npu.npu_fusion_attention(npu(q), npu(k), npu(k), 2, layout, **kw)

@@ -22,7 +22,9 @@ What the fallback rejects, as the hardware stack would: a compute op mixing "npu
 non-scalar CPU tensors (torch's own message), and, while a graph is being captured, any host
 synchronisation (`.item()`, `.tolist()`, device-to-host and host-to-device copies) and any op whose
 output shape depends on data (aclgraph records tasks with fixed shapes and cannot read device memory
-on the host). Rules on specific aten ops are in `RULES` (added by `rules.py`).
+on the host). Rules on specific aten ops are in `RULES` (added by `rules.py`). A random op's generator
+goes through `GENERATORS` (`_generator.py`): an NPU generator's draw runs on a host generator made
+from its state, and a host generator is refused, as torch_npu's kernels refuse it.
 
 Every op, aten or torch_npu, runs through `execute`, which also records it into the graph being
 captured (see `graphs.py`).
@@ -160,6 +162,11 @@ _state = _State()
 # would. Filled by rules.py.
 RULES: dict[str, Callable[[tuple[Any, ...], dict[str, Any]], None]] = {}
 
+# Replaces the generators of an op's (args, kwargs) by the host generators its draw runs on, and
+# refuses a host generator with "npu" tensors. Set by _generator.py.
+GENERATORS: Callable[[Any], Any] | None = None
+_TAKES_GENERATOR: dict[Any, bool] = {}
+
 # Ops whose output shape depends on values: aclgraph cannot capture them (host must read the count).
 _DATA_DEPENDENT = {
     "aten::nonzero",
@@ -256,9 +263,18 @@ def _on_host(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     _check_same_device(name, (args, kwargs))
     if name in RULES and not _state.quiet:
         RULES[name](args, kwargs)
+    if GENERATORS is not None and _takes_generator(op):
+        args, kwargs = GENERATORS((args, kwargs))
     if name == "aten::_local_scalar_dense" and _state.capturing is not None and not _state.quiet:
         raise CaptureError("reading a device value on the host (.item(), .tolist()) during graph capture")
     return on_host(op, args, kwargs, out_names=_out_names(op))
+
+
+def _takes_generator(op: torch._ops.OpOverload) -> bool:
+    known = _TAKES_GENERATOR.get(op)
+    if known is None:
+        known = _TAKES_GENERATOR[op] = any("Generator" in str(a.type) for a in op._schema.arguments)
+    return known
 
 
 def on_host(
@@ -276,13 +292,16 @@ def on_host(
     if fn in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default) and index is not None:
         stride = args[1] if fn is torch.ops.aten.empty_strided.default else None
         return _device_empty(list(args[0]), stride, kwargs.get("dtype") or torch.get_default_dtype(), index)
-    aliases: dict[int, torch.Tensor] = {}
+    # id(alias) -> (alias, its "npu" tensor). The alias is kept: an `out=` argument's alias is
+    # replaced below and would otherwise die, and a fresh output reusing its id would be mapped back
+    # to that argument (torch.sort's values returned as its indices).
+    aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def down(x: Any) -> Any:
         if not is_npu(x):
             return x
         alias = host_alias(x)
-        aliases[id(alias)] = x
+        aliases[id(alias)] = (alias, x)
         return alias
 
     cargs, ckwargs = tree_map(down, (args, kwargs))
@@ -300,7 +319,7 @@ def on_host(
         if not isinstance(x, torch.Tensor):
             return x
         if id(x) in aliases:  # in-place ops return their own argument
-            return aliases[id(x)]
+            return aliases[id(x)][1]
         for k, out in outs.items():
             if x is ckwargs[k]:
                 return out
@@ -329,6 +348,8 @@ def _resize_(self: torch.Tensor, size: list[int], memory_format: Any = None) -> 
         return torch.ops.aten.resize_.default.redispatch(_CPU_KEYS, self, size, memory_format=memory_format)
     # A storage made by DLPack cannot grow: point the tensor at a new one, keeping the old bytes.
     grown = to_npu(torch.zeros(need, dtype=torch.uint8), self.device.index or 0)
+    if _state.capturing is not None:  # from the graph's pool: not an input of the graph
+        _state.capturing.allocated(grown)
     old = self.untyped_storage().nbytes()
     if old:
         old_bytes = torch.empty(0, dtype=torch.uint8, device=self.device)

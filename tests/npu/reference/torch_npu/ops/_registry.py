@@ -61,8 +61,9 @@ def contiguous(op: str, name: str, t: torch.Tensor | None, source: str) -> None:
         )
 
 
-def op(schema: str) -> Callable[[Callable[..., Any]], Any]:
-    """Define `torch.ops.npu.<name>` with `schema`; the decorated function is its host kernel."""
+def op(schema: str, *, capturable: bool = True) -> Callable[[Callable[..., Any]], Any]:
+    """Define `torch.ops.npu.<name>` with `schema`; the decorated function is its host kernel.
+    capturable=False: the op documents no aclgraph support, so a graph capture refuses it."""
     name = schema.split("(", 1)[0]
 
     def register(host: Callable[..., Any]) -> Any:
@@ -73,6 +74,8 @@ def op(schema: str) -> Callable[[Callable[..., Any]], Any]:
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
             _device._check_same_device(f"npu::{name}", (args, kwargs))
+            if not capturable and _device._state.capturing is not None and not _device._state.quiet:
+                raise _device.CaptureError(f"npu::{name} does not support aclgraph capture")
             reference.op_calls[name] += 1
             return _device.execute(f"npu::{name}", run, args, kwargs)
 
