@@ -1,4 +1,4 @@
-"""Dequantisation (and the inverse, for `make-tiny --quant fp8`) of DeepSeek-V4's released weight formats.
+"""Dequantisation (and the inverse, for `make-tiny --quant fp8|w8a8`) of DeepSeek-V4's released weight formats.
 
 Formats, as the released DeepSeek-V4 checkpoints store them (see docs/checkpoints.md):
 
@@ -8,6 +8,13 @@ Formats, as the released DeepSeek-V4 checkpoints store them (see docs/checkpoint
 - FP4 experts: `X.weight` is int8 `[O, I/2]`, two e2m1 codes per byte, element `2j` in the low nibble of
   byte `j` and element `2j+1` in the high nibble; `X.scale` is ue8m0 `[O, I/32]`, one power of two per
   32 consecutive inputs of a row; the real weight is `e2m1(code) * scale[r, c // 32]`.
+
+And the Ascend W8A8 release (msmodelslim's W8A8_DYNAMIC; docs/checkpoints.md):
+
+- W8A8: `X.weight` is int8 `[O, I]` (not packed), `X.weight_scale` one scale per output channel `[O, 1]`
+  (float32 or bfloat16), `X.weight_offset` its zero point `[O, 1]`, zero (symmetric); the real weight is
+  `weight * scale[r]`. Activations are quantised at run time, per token (`quant_per_token`): on an NPU by
+  `npu_dynamic_quant`, then `npu_quant_matmul` multiplies in int8 with int32 accumulation.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ FP8_BLOCK = (128, 128)
 FP4_GROUP = 32
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP4_MAX = 6.0  # largest e2m1 magnitude
+INT8_MAX = 127.0  # symmetric int8: a row's largest magnitude maps to 127
 
 # e2m1 code -> value; bit 3 is the sign, bits 2..1 the exponent, bit 0 the mantissa.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -137,3 +145,50 @@ def quant_fp4(weight: torch.Tensor, group: int = FP4_GROUP) -> tuple[torch.Tenso
         magnitude += absolute > edge
     codes = magnitude | ((scaled < 0).to(torch.int64) << 3)
     return pack_fp4(codes), float_to_ue8m0(scale)
+
+
+def w8a8_scale_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A W8A8 per-channel scale (`[O, 1]` as released, or `[O]`) as float32 `[O]`."""
+    if tuple(scale.shape) not in ((rows, 1), (rows,)):
+        raise ValueError(f"w8a8 scale {tuple(scale.shape)} does not match {rows} output channels")
+    return scale.reshape(rows).to(torch.float32)
+
+
+def check_w8a8_offset(offset: torch.Tensor | None, rows: int) -> None:
+    """A W8A8 zero point must be zero (or absent): the release is symmetric, and npu_quant_matmul
+    takes no weight zero point with per-token activations."""
+    if offset is not None and bool(w8a8_scale_rows(offset, rows).ne(0).any()):
+        raise ValueError("w8a8 weight_offset is not zero: asymmetric int8 weights are not supported")
+
+
+def dequant_w8a8(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """int8 `weight [O, I]` times its per-output-channel `scale` (`[O, 1]` or `[O]`); offset: see
+    `check_w8a8_offset`."""
+    if weight.dtype != torch.int8 or weight.dim() != 2:
+        raise ValueError(f"w8a8 weights are 2-D int8, got {weight.dtype} {tuple(weight.shape)}")
+    check_w8a8_offset(offset, weight.shape[0])
+    s = w8a8_scale_rows(scale, weight.shape[0])
+    return (weight.to(torch.float32) * s.unsqueeze(1)).to(dtype)
+
+
+def quant_w8a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `dequant_w8a8`: symmetric per-row int8, scale = rowmax|w| / 127 (float32 `[O, 1]`),
+    round half to even; and the zero offsets the release stores beside them."""
+    w = weight.detach().to(torch.float32)
+    scale = (w.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale, torch.zeros_like(scale)
+
+
+def quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-token int8 of x `[..., K]`, npu_dynamic_quant's math: scale = rowmax|x| / 127
+    (float32 `[...]`), q = round(x / scale) (half to even); an all-zero row gets scale 0 and zeros."""
+    xf = x.to(torch.float32)
+    scale = xf.abs().amax(dim=-1) / INT8_MAX
+    q = torch.round(xf / scale.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1))
+    return q.clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8), scale

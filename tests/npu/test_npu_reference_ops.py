@@ -345,64 +345,87 @@ def _paged(kv: torch.Tensor, block: int, order: list[int]) -> tuple[torch.Tensor
 
 
 def test_sparse_flash_attention_with_sinks_on_a_paged_cache(torch_npu: ModuleType) -> None:
+    """MLA-absorb (attention_mode 2): scores q . k + q_rope . k_rope over the picked keys, the value
+    the 512-wide key itself, each head's sink in the denominator; softmax_max/sum returned."""
     torch.manual_seed(2)
     heads, d, kv_len, block = 4, 512, 40, 16
     q = torch.randn(2, heads, d, dtype=BF16) * 0.05  # TND: the last two tokens of one sequence
-    kv = torch.randn(kv_len, d, dtype=BF16)
+    q_rope = torch.randn(2, heads, 64, dtype=BF16) * 0.05
+    kv, k_rope = torch.randn(kv_len, d, dtype=BF16), torch.randn(kv_len, 64, dtype=BF16)
     cache, table = _paged(kv, block, [2, 0, 1])
+    rope_cache, _ = _paged(k_rope, block, [2, 0, 1])
     sel = torch.tensor([[[3, 39, 17, 38, -1, -1]], [[0, 39, 12, -1, -1, -1]]], dtype=torch.int32)
     sinks = torch.randn(heads)
-    out, _, _ = torch_npu.npu_sparse_flash_attention(
+    out, top, total = torch_npu.npu_sparse_flash_attention(
         npu(q), npu(cache), None, npu(sel), 0.125, block_table=npu(table),
         actual_seq_lengths_query=npu(torch.tensor([2], dtype=torch.int32)),
         actual_seq_lengths_kv=npu(torch.tensor([kv_len], dtype=torch.int32)),
-        layout_query="TND", layout_kv="PA_BSND", sparse_mode=3, sinks=npu(sinks),
+        query_rope=npu(q_rope), key_rope=npu(rope_cache), layout_query="TND", layout_kv="PA_BSND",
+        sparse_mode=3, attention_mode=2, return_softmax_lse=True, sinks=npu(sinks),
     )  # fmt: skip
+    assert top.shape == total.shape == (1, 2, heads) and top.dtype == torch.float32  # [N2, T, G]
     seen = []
     for t in range(2):
         causal = kv_len - 2 + t  # the last key token t may see
         keys = [int(i) for i in sel[t, 0] if 0 <= i <= causal]
         seen.append(keys)
         for h in range(heads):
-            logits = [0.125 * float(q[t, h].float() @ kv[i].float()) for i in keys]
+            logits = [
+                0.125 * float(q[t, h].float() @ kv[i].float() + q_rope[t, h].float() @ k_rope[i].float())
+                for i in keys
+            ]
             z = sum(math.exp(v) for v in logits) + math.exp(float(sinks[h]))
             want = sum(math.exp(v) / z * kv[i].float() for v, i in zip(logits, keys, strict=True))
             close(out.cpu()[t, h], want, 0.02)
+            # exp(max) * sum is the whole denominator, sink included
+            close(top.cpu()[0, t, h].exp() * total.cpu()[0, t, h], torch.tensor(z), 1e-4)
     assert seen == [[3, 17, 38], [0, 39, 12]]  # token 0 may not see key 39; token 1 may
 
 
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"d": 256}, "D must be 512"),
+        ({"d": 256}, "D must be 512"),  # a head dim the op does not tile
+        ({"rope_d": 32}, "rope_key D must be 64|key_rope D must be 64"),
         ({"sel_dtype": torch.int64}, "sparse_indices has dtype torch.int64"),
         ({"table_dtype": torch.int64}, "block_table has dtype torch.int64"),
         ({"dtype": torch.float32}, "query has dtype torch.float32"),
         ({"block": 24}, "multiple of 16"),
         ({"transposed": True}, "query must be contiguous"),
         ({"strided_cache": True}, "key must be contiguous"),  # a cache sliced out of a wider buffer
+        ({"attention_mode": 0}, "attention_mode must be 2"),
+        ({"no_rope": True}, "query_rope and key_rope are required"),
+        ({"heads": 6}, "power of 2"),
     ],
 )
 def test_sparse_flash_attention_rejects(reference_npu: ModuleType, change: dict, match: str) -> None:
     torch_npu = reference_npu
     d, block, dtype = change.get("d", 512), change.get("block", 16), change.get("dtype", BF16)
-    q = torch.zeros(4, 1, d, dtype=dtype)
-    query = npu(torch.zeros(4, 1, 2 * d, dtype=dtype))[..., :d] if change.get("transposed") else npu(q)
+    heads, rope_d = change.get("heads", 1), change.get("rope_d", 64)
+    q = torch.zeros(4, heads, d, dtype=dtype)
+    query = npu(torch.zeros(4, heads, 2 * d, dtype=dtype))[..., :d] if change.get("transposed") else npu(q)
     cache = npu(torch.zeros(2, block, 1, d, dtype=dtype))
     if change.get("strided_cache"):  # e.g. the latent part of a [.., 512 + 64] buffer
         cache = npu(torch.zeros(2, block, 1, d + 64, dtype=dtype))[..., :d]
+    ropes: dict = {
+        "query_rope": npu(torch.zeros(4, heads, rope_d, dtype=dtype)),
+        "key_rope": npu(torch.zeros(2, block, 1, rope_d, dtype=dtype)),
+    }
+    if change.get("no_rope"):
+        ropes = {}
     sel = npu(torch.zeros(4, 1, 2, dtype=change.get("sel_dtype", torch.int32)))
     with pytest.raises(RuntimeError, match=match):
         torch_npu.npu_sparse_flash_attention(
             query, cache, None, sel, 1.0, block_table=npu(torch.zeros(1, 2, dtype=change.get("table_dtype", torch.int32))),
             actual_seq_lengths_query=npu(torch.tensor([4], dtype=torch.int32)),
             actual_seq_lengths_kv=npu(torch.tensor([4], dtype=torch.int32)), layout_query="TND", layout_kv="PA_BSND",
+            attention_mode=change.get("attention_mode", 2), **ropes,
         )  # fmt: skip
 
 
 def test_lightning_indexer_top_k_is_causal_and_padded(torch_npu: ModuleType) -> None:
     torch.manual_seed(3)
-    heads, d, kv_len = 4, 32, 10
+    heads, d, kv_len = 4, 128, 10
     q = torch.randn(3, heads, d, dtype=BF16)  # TND: the last three tokens
     keys = torch.randn(kv_len, d, dtype=BF16)
     w = torch.randn(3, heads, dtype=BF16)
@@ -424,13 +447,37 @@ def test_lightning_indexer_top_k_is_causal_and_padded(torch_npu: ModuleType) -> 
         close(values.cpu()[t, 0, : len(top)], torch.tensor([score[s] for s in top]), 0.05)
 
 
-def test_lightning_indexer_rejects_a_sparse_count_off_its_list(reference_npu: ModuleType) -> None:
-    q, w = npu(torch.randn(3, 4, 32, dtype=BF16)), npu(torch.randn(3, 4, dtype=BF16))
-    cache = npu(torch.randn(1, 16, 1, 32, dtype=BF16))
-    with pytest.raises(RuntimeError, match="sparse_count 2049"):
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"sparse_count": 2049}, "sparse_count 2049"),
+        ({"d": 64}, "D=64: only 128"),  # the indexer's head dim must be 128
+        ({"table_dtype": torch.int64}, "block_table has dtype torch.int64"),
+        ({"lens_dtype": torch.int64}, "actual_seq_lengths_key has dtype torch.int64"),
+        ({"weights_dtype": torch.float32}, "weights has dtype torch.float32"),
+        ({"strided_key": True}, "key must be contiguous"),
+        ({"block": 24}, "multiple of 16"),
+        ({"no_table": True}, "block_table is required"),
+    ],
+)
+def test_lightning_indexer_rejects(reference_npu: ModuleType, change: dict, match: str) -> None:
+    d, block = change.get("d", 128), change.get("block", 16)
+    q = npu(torch.randn(3, 4, d, dtype=BF16))
+    w = npu(torch.randn(3, 4).to(change.get("weights_dtype", BF16)))
+    cache = npu(torch.randn(1, block, 1, d, dtype=BF16))
+    if change.get("strided_key"):
+        cache = npu(torch.randn(1, block, 1, 2 * d, dtype=BF16))[..., :d]
+    table = (
+        None
+        if change.get("no_table")
+        else npu(torch.zeros(1, 1, dtype=change.get("table_dtype", torch.int32)))
+    )
+    with pytest.raises(RuntimeError, match=match):
         reference_npu.npu_lightning_indexer(
-            q, cache, w, sparse_count=2049, layout_query="TND", layout_key="PA_BSND"
-        )
+            q, cache, w, actual_seq_lengths_query=npu(torch.tensor([3], dtype=torch.int32)),
+            actual_seq_lengths_key=npu(torch.tensor([block], dtype=change.get("lens_dtype", torch.int32))),
+            block_table=table, layout_query="TND", layout_key="PA_BSND", sparse_count=change.get("sparse_count", 8),
+        )  # fmt: skip
 
 
 # --- dense attention (what HF transformers' Ascend integration imports and calls) -----------------

@@ -35,6 +35,9 @@ class KernelSet(ABC):
     decode variants."""
 
     name: ClassVar[str]
+    # Whether `quant_linear` is the device's own W8A8 matmul, so a loader should keep W8A8 weights int8
+    # for this set (`loader.load_checkpoint(keep_int8=...)`); elsewhere they are dequantised at load.
+    native_w8a8: ClassVar[bool] = False
 
     @abstractmethod
     def for_decode(self, compiled: bool) -> KernelSet:
@@ -45,6 +48,12 @@ class KernelSet(ABC):
     @abstractmethod
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         """`x @ weight.T` for x `[..., in]`, weight `[out, in]` (no bias)."""
+
+    @abstractmethod
+    def quant_linear(self, x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        """W8A8 `x @ (weight * scale[:, None]).T` in x's dtype, for int8 weight `[out, in]` and its
+        float32 per-row scale `[out]`: x quantised to int8 per token (scale rowmax|x| / 127),
+        int8 products summed in int32, the sums rescaled by both scales."""
 
     @abstractmethod
     def grouped_linear(self, x: Tensor, weight: Tensor) -> Tensor:

@@ -3,36 +3,94 @@ path), so the rest of the forward runs as torch forms on the device until each g
 
 So far: RMSNorm (`npu_rms_norm`), the interleaved RoPE (`npu_rotary_mul`, rotary_mode 'interleave',
 with the position's cos/sin rows broadcast over heads, as the seed's `Dsv4NpuRoPE` feeds it), the
-shared expert's SwiGLU (`npu_swiglu`, after DSV4's clamps) and the MoE: routing through
-`npu_moe_gating_top_k`, the routed experts as `npu_moe_init_routing_v2`, `npu_grouped_matmul` (gate/up),
-the clamped `npu_swiglu`, `npu_grouped_matmul` (down) and `npu_moe_finalize_routing`. Every one has
-static shapes and reads nothing on the host, so the decode variant captures as it is. docs/npu.md
-lists each op's rules; tests/npu compares every op here with the CPU kernels through the reference
-torch_npu. torch_npu is imported when the set is built, which happens only for an `npu` device
+shared expert's SwiGLU (`npu_swiglu`, after DSV4's clamps), the MoE (routing through
+`npu_moe_gating_top_k`; the routed experts as `npu_moe_init_routing_v2`, `npu_grouped_matmul`,
+the clamped `npu_swiglu`, `npu_grouped_matmul`, `npu_moe_finalize_routing`), W8A8 projections
+(`npu_dynamic_quant` + `npu_quant_matmul`), the attention over the window and compressed pages
+(`npu_sparse_flash_attention`, one call per pool, merged by their softmax statistics), the CSA
+indexer (`npu_lightning_indexer`) and every paged write (`npu_scatter_nd_update_`).
+
+The rules: an op is used only where its documented constraints hold (bf16/fp16, DSV4's 512/64/128
+head dims, a power-of-2 head count, the indexer's sparse_count list); anything else (an fp32 model,
+another tiny shape) runs the torch form, so a test model of any shape still serves. Index inputs are
+int32 with the valid entries first and -1 after, as the sparse ops read them. Every op has static
+shapes and reads nothing on the host, so the decode variant captures as it is. docs/npu.md lists each
+op's rules; tests/npu compares every op here with the CPU kernels through the reference torch_npu.
+torch_npu is imported when the set is built, which happens only for an `npu` device
 (`choose_kernels`).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from dsv4_engine.kernels.base import KernelSet
 from dsv4_engine.kernels.torch_forms import StaticTorchKernels, TorchKernels
-from dsv4_engine.kernels.torch_ops import clamp_gate_up_, dense_ids
+from dsv4_engine.kernels.torch_ops import all_row_slots, clamp_gate_up_, dense_ids
 
 Tensor = torch.Tensor
 _TINY = torch.finfo(torch.float32).tiny
+_HALVES = (torch.bfloat16, torch.float16)  # what the attention ops take
+# npu_sparse_flash_attention: a 512-wide latent (also the value) and 64 rope channels, one KV head,
+# query heads a power of 2 up to 128 (ops-transformer's tiling).
+_SFA_LATENT, _SFA_ROPE, _SFA_HEADS = 512, 64, (1, 2, 4, 8, 16, 32, 64, 128)
+_LI_DIM = 128  # npu_lightning_indexer's only head dim
+_LI_COUNTS = frozenset((*range(1, 2049), 3072, 4096, 5120, 6144, 7168, 8192))  # its sparse_count list
+# npu_scatter_nd_update_'s self/updates dtypes on A2/A3 (not int32).
+_SCATTER_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool)
+
+
+def _valid_first(idx: Tensor, valid: Tensor) -> Tensor:
+    """idx `[B, n]` as the sparse ops' index rows: the valid entries first, in order, then -1; int32.
+    One argsort of unique keys (static shapes, on the device)."""
+    col = torch.arange(idx.shape[-1], device=idx.device)
+    order = torch.where(valid, col, col + idx.shape[-1]).argsort(dim=-1)
+    return torch.where(valid, idx, -1).gather(-1, order).to(torch.int32)
+
+
+def _merge(window: tuple[Tensor, Tensor, Tensor], comp: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """One softmax over both key sets from two partial ones: each part's output (normalised over its
+    own keys, the window's denominator with the sink) weighted by its denominator `sum * exp(max)`,
+    taken against the larger max. A part with no keys (max -inf, sum 0) weighs 0; a padding row with
+    none at all comes out 0 (its values are never kept)."""
+    (out_w, max_w, sum_w), (out_c, max_c, sum_c) = window, comp
+    top = torch.maximum(max_w, max_c)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    weight_w = (sum_w * torch.exp(max_w - top))[0, :, :, None]  # [1, B, H] (TND's N2, T, G) -> [B, H, 1]
+    weight_c = (sum_c * torch.exp(max_c - top))[0, :, :, None]
+    total = (weight_w + weight_c).clamp(min=_TINY)
+    return ((out_w.float() * weight_w + out_c.float() * weight_c) / total).to(out_w.dtype)
 
 
 class _NpuOps:
     """The torch_npu forms, shared by the extend and decode variants."""
 
+    native_w8a8: ClassVar[bool] = True  # A3 has no fp8 matmul: W8A8 runs as int8 (npu_quant_matmul)
+
     def __init__(self) -> None:
         self.npu: Any = importlib.import_module("torch_npu")
+        # Zero key_rope inputs, one per (pool rows, dtype, device): made on the first (eager) step,
+        # so a captured step reads a buffer that outlives it.
+        self._zero_ropes: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+    def quant_linear(self, x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        """`npu_dynamic_quant` (int8 rows, one fp32 scale per token) then `npu_quant_matmul` with the
+        weight's transpose as x2 (a view of the stored [out, in]: the op's transposed layout, no
+        copy), the fp32 per-row scale and the per-token scales. The ops take fp16/bf16 only, and no
+        empty tensor: an fp32 x is quantised from bf16 and the result cast back."""
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], weight.shape[0])
+        half = rows if rows.dtype in (torch.float16, torch.bfloat16) else rows.to(torch.bfloat16)
+        q, token_scale = self.npu.npu_dynamic_quant(half)
+        y = self.npu.npu_quant_matmul(
+            q, weight.t(), scale, pertoken_scale=token_scale, output_dtype=half.dtype
+        )
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         # The op wants gamma in x's dtype (it computes in fp32 either way).
@@ -123,6 +181,173 @@ class _NpuOps:
         return self.npu.npu_moe_finalize_routing(
             y, None, None, None, weights.to(y.dtype), row_idx, None, drop_pad_mode=2
         )
+
+    # ---- the extend step's attention and indexer (one request's chunk, dense keys) ------------------
+    def block_attention(self, q: Tensor, keys: Tensor, bias: Tensor, sinks: Tensor, scaling: float) -> Tensor:
+        """`npu_sparse_flash_attention` with each query block a batch (BSND): its b queries over its K
+        keys, each reading the keys its mask leaves (the extend's biases are 0 / -inf masks: 0 reads),
+        valid first; the sinks in the op. The rope inputs are zeros, as in the decode step."""
+        nb, b, heads, dim = q.shape
+        if not (q.dtype in _HALVES and keys.dtype == q.dtype and dim == _SFA_LATENT and heads in _SFA_HEADS):
+            return super().block_attention(q, keys, bias, sinks, scaling)  # type: ignore[misc]
+        width = keys.shape[1]
+        cols = torch.arange(width, device=q.device).expand(nb, b, width)
+        picked = _valid_first(cols, bias == 0).view(nb, b, 1, width)
+        kv = keys.contiguous().view(nb, width, 1, dim)
+        out, _, _ = self.npu.npu_sparse_flash_attention(
+            q.contiguous(), kv, kv, picked, scaling,
+            query_rope=q.new_zeros(nb, b, heads, _SFA_ROPE), key_rope=keys.new_zeros(nb, width, 1, _SFA_ROPE),
+            layout_query="BSND", layout_kv="BSND", sparse_mode=0, attention_mode=2, sinks=sinks,
+        )  # fmt: skip
+        return out.view(nb * b, heads, dim)
+
+    def index_bias(
+        self, q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, scale: float, k: int
+    ) -> Tensor:
+        """`npu_lightning_indexer` with each query its own batch (BSND, one token) over the request's
+        rows as one paged sequence (zero-padded to whole blocks, every batch's block table the same
+        identity), its kv length its visible rows; the picks become the 0 / -inf bias. At most k rows:
+        every visible one, no scores (the torch form)."""
+        n, num_rows = q.shape[0], keys.shape[0]
+        count = min(k, num_rows)
+        if not (
+            num_rows > k
+            and q.dtype in _HALVES
+            and keys.dtype == q.dtype
+            and q.shape[-1] == _LI_DIM
+            and count in _LI_COUNTS
+        ):
+            return super().index_bias(q, weights, keys, visible, scale, k)  # type: ignore[misc]
+        heads, dim = q.shape[1:]
+        block = min(1024, -(-num_rows // 16) * 16)  # the op's blocks: 16-aligned, at most 1024 rows
+        blocks = -(-num_rows // block)
+        paged = F.pad(keys, (0, 0, 0, blocks * block - num_rows)).view(blocks, block, 1, dim)
+        table = torch.arange(blocks, dtype=torch.int32, device=q.device).expand(n, blocks).contiguous()
+        picks, _ = self.npu.npu_lightning_indexer(
+            q.contiguous().view(n, 1, heads, dim), paged, (weights.float() * scale).to(q.dtype).view(n, 1, heads),
+            actual_seq_lengths_key=visible.to(torch.int32), block_table=table,
+            layout_query="BSND", layout_key="PA_BSND", sparse_count=count, sparse_mode=0,
+        )  # fmt: skip
+        picks = picks.view(n, count).long()
+        bias = q.new_full((n, num_rows + 1), float("-inf"), dtype=torch.float32)  # a spare column for -1
+        return bias.scatter_(1, torch.where(picks >= 0, picks, num_rows), 0.0)[:, :num_rows]
+
+    # ---- the decode step's paged writes, attention and indexer ------------------------------------
+    def put_rows(self, pool: Tensor, slots: Tensor, rows: Tensor) -> None:
+        """`npu_scatter_nd_update_` (each slot a 1-element index tuple): the seed's paged-cache write,
+        free of aclnnIndexPut's int32-values limit. Dtypes the op refuses (int32) keep index_put_."""
+        if pool.dtype not in _SCATTER_DTYPES or rows.dtype != pool.dtype or slots.numel() == 0:
+            super().put_rows(pool, slots, rows)  # type: ignore[misc]
+            return
+        self.npu.npu_scatter_nd_update_(pool, slots.view(-1, 1), rows)
+
+    def paged_attention(
+        self,
+        q: Tensor,
+        swa: Tensor,
+        swa_slots: Tensor,
+        comp: Tensor | None,
+        page_table: Tensor,
+        rows: Tensor | None,
+        visible: Tensor | None,
+        ratio: int,
+        page_size: int,
+        sinks: Tensor,
+        scaling: float,
+    ) -> Tensor:
+        """`npu_sparse_flash_attention` over the window (with the sinks) and, with a compressed pool,
+        over its rows (HCA: every row below visible; CSA: the indexer's picks), the two merged by
+        their softmax statistics. The pools differ, so one call each. Other dtypes and shapes (an
+        fp32 model, a head dim other than 512): the torch form."""
+        pools = (swa,) if comp is None else (swa, comp)
+        if not (
+            q.dtype in _HALVES
+            and q.shape[-1] == _SFA_LATENT
+            and q.shape[1] in _SFA_HEADS
+            and all(p.dtype == q.dtype and p.is_contiguous() for p in pools)
+        ):
+            return super().paged_attention(  # type: ignore[misc]
+                q, swa, swa_slots, comp, page_table, rows, visible, ratio, page_size, sinks, scaling
+            )
+        window = _valid_first(swa_slots, swa_slots >= 0)  # a window before position 0 starts with -1s
+        if comp is None or visible is None:
+            return self._sparse(q, swa, window, scaling, sinks, lse=False)[0]
+        slots = all_row_slots(page_table, ratio, page_size)  # [B, N]
+        seen = visible[:, None]
+        if rows is None:  # HCA: rows 0..visible-1, already a prefix
+            picked = torch.where(torch.arange(slots.shape[1], device=q.device) < seen, slots, -1).to(
+                torch.int32
+            )
+        else:  # CSA: the picks, those not rows (-1, or at or past visible) dropped
+            picked = _valid_first(slots.gather(1, rows.clamp(min=0)), (rows >= 0) & (rows < seen))
+        return _merge(
+            self._sparse(q, swa, window, scaling, sinks, lse=True),
+            self._sparse(q, comp, picked, scaling, None, lse=True),
+        )
+
+    def _sparse(
+        self, q: Tensor, pool: Tensor, picked: Tensor, scaling: float, sinks: Tensor | None, lse: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One `npu_sparse_flash_attention` of q `[B, H, 512]` over a flat pool `[S, 512]` at the
+        absolute slots `picked [B, n]` (int32, valid first, -1 after): the B rows are one TND batch of
+        B query tokens over the whole pool as one sequence (sparse_mode 0: no causal mask), each token
+        reading its own slots, so no block table is needed for any pool's page size (a ratio-128 pool
+        has one row a page, which no 16-aligned block fits). DSV4's 512 channels, rope included, are
+        the op's latent and value (K = V); its separate 64-channel rope inputs are zeros."""
+        bsz, heads, _ = q.shape
+        rows = pool.shape[0]
+        kv = pool.view(rows, 1, pool.shape[-1])
+        return self.npu.npu_sparse_flash_attention(
+            q.contiguous(), kv, kv, picked.view(bsz, 1, -1), scaling,
+            actual_seq_lengths_query=torch.full((1,), bsz, dtype=torch.int32, device=q.device),
+            actual_seq_lengths_kv=torch.full((1,), rows, dtype=torch.int32, device=q.device),
+            query_rope=q.new_zeros(bsz, heads, _SFA_ROPE), key_rope=self._zero_rope(pool),
+            layout_query="TND", layout_kv="TND", sparse_mode=0, attention_mode=2,
+            return_softmax_lse=lse, sinks=sinks,
+        )  # fmt: skip
+
+    def _zero_rope(self, pool: Tensor) -> Tensor:
+        key = (pool.shape[0], pool.dtype, pool.device)
+        if key not in self._zero_ropes:
+            self._zero_ropes[key] = pool.new_zeros(pool.shape[0], 1, _SFA_ROPE)
+        return self._zero_ropes[key]
+
+    def index_topk(
+        self,
+        q: Tensor,
+        weights: Tensor,
+        keys: Tensor,
+        page_table: Tensor,
+        visible: Tensor,
+        ratio: int,
+        page_size: int,
+        scale: float,
+        k: int,
+    ) -> Tensor:
+        """`npu_lightning_indexer` on the paged indexer pool: one query token per batch row (BSND),
+        the request's page table as the block table (P / ratio rows a block), kv lengths = visible.
+        The op scores `sum_h w_h * relu(q_h . key)` with no scale, so the (positive) scale goes into
+        the weights, cast to q's dtype as the op wants. Past visible it pads with -1 (not rows, as the
+        CPU kernels mark them); int64 like the other sets' picks."""
+        per_page = page_size // ratio
+        count = min(k, page_table.shape[1] * per_page)
+        if not (
+            q.dtype in _HALVES
+            and keys.dtype == q.dtype
+            and q.shape[-1] == _LI_DIM
+            and per_page % 16 == 0
+            and per_page <= 1024
+            and count in _LI_COUNTS
+        ):
+            return super().index_topk(q, weights, keys, page_table, visible, ratio, page_size, scale, k)  # type: ignore[misc]
+        bsz, heads, dim = q.shape
+        picks, _ = self.npu.npu_lightning_indexer(
+            q.contiguous().view(bsz, 1, heads, dim), keys.view(-1, per_page, 1, dim),
+            (weights.float() * scale).to(q.dtype).view(bsz, 1, heads),
+            actual_seq_lengths_key=visible.to(torch.int32), block_table=page_table.to(torch.int32).contiguous(),
+            layout_query="BSND", layout_key="PA_BSND", sparse_count=count, sparse_mode=0,
+        )  # fmt: skip
+        return picks.view(bsz, count).long()
 
 
 class NpuKernels(_NpuOps, TorchKernels):

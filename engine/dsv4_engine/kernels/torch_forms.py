@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from dsv4_engine import quant
 from dsv4_engine.attention.decode_fill import fill_decode_buffers
 from dsv4_engine.kernels.base import KernelSet
 from dsv4_engine.kernels.torch_ops import (
@@ -60,6 +61,15 @@ class TorchKernels(KernelSet):
     # ---- dense layers --------------------------------------------------------------------------
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         return F.linear(x, weight)
+
+    def quant_linear(self, x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        """The NPU's W8A8 arithmetic (npu_dynamic_quant, then npu_quant_matmul) in torch, so the
+        rounding is the device's: exact int32 sums, rescaled in fp32."""
+        rows = x.reshape(-1, x.shape[-1])
+        q, token_scale = quant.quant_per_token(rows)
+        sums = torch.matmul(q.to(torch.int32), weight.to(torch.int32).t())
+        y = sums.to(torch.float32) * token_scale.unsqueeze(-1) * scale.to(torch.float32)
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     def grouped_linear(self, x: Tensor, weight: Tensor) -> Tensor:
         w = weight.view(x.shape[1], -1, x.shape[-1])  # [G, R, in]
@@ -196,7 +206,12 @@ class TorchKernels(KernelSet):
     # ---- attention over the paged pools ----------------------------------------------------------
     def masked_put(self, pool: Tensor, slots: Tensor, rows: Tensor, mask: Tensor) -> None:
         keep = mask[:, None]
-        pool.index_put_((torch.where(mask, slots, 0),), torch.where(keep, rows.to(pool.dtype), 0.0))
+        self.put_rows(pool, torch.where(mask, slots, 0), torch.where(keep, rows.to(pool.dtype), 0.0))
+
+    def put_rows(self, pool: Tensor, slots: Tensor, rows: Tensor) -> None:
+        """`pool[slots] = rows` (rows in pool's dtype, slots 1-D): every paged write of a step goes
+        through here, so a device set swaps in its scatter op once (NPU: npu_scatter_nd_update_)."""
+        pool.index_put_((slots,), rows)
 
     def sink_attention(self, q: Tensor, keys: Tensor, bias: Tensor, sinks: Tensor, scaling: float) -> Tensor:
         logits = torch.matmul(q, keys.transpose(1, 2)) * scaling + bias[:, None, :].to(q.dtype)
@@ -226,11 +241,12 @@ class TorchKernels(KernelSet):
             slots = all_row_slots(page_table, ratio, page_size)  # [B, N]
             if rows is None:
                 comp_keys = gather_rows(comp, slots)
-                rows = torch.arange(slots.shape[1], device=q.device)[None, :]
-            else:
-                comp_keys = gather_rows(comp, slots.gather(1, rows))
+                seen = torch.arange(slots.shape[1], device=q.device)[None, :] < visible[:, None]
+            else:  # a -1 pick reads row 0 and is masked, as one past visible is
+                comp_keys = gather_rows(comp, slots.gather(1, rows.clamp(min=0)))
+                seen = (rows >= 0) & (rows < visible[:, None])
             keys = torch.cat([keys, comp_keys.to(keys.dtype)], dim=1)
-            bias = torch.cat([bias, visible_bias(rows < visible[:, None])], dim=1)
+            bias = torch.cat([bias, visible_bias(seen)], dim=1)
         return self.sink_attention(q, keys, bias, sinks, scaling)
 
     def compress_paged(
@@ -259,7 +275,7 @@ class TorchKernels(KernelSet):
         masked = torch.cat(
             [torch.where(keep, own[:, :half], 0.0), torch.where(keep, own[:, half:], sentinel_score)], dim=-1
         )
-        state.index_put_((torch.where(cm.state_write_mask, cm.state_write_loc, 0),), masked)
+        self.put_rows(state, torch.where(cm.state_write_mask, cm.state_write_loc, 0), masked)
         pool = (ratio, norm_weight, norm_eps, kv.dtype)
         if not sparse:
             row = self._pool(own, positions, cm.state_read_start, cm.state_read_slots, state, *pool)
@@ -272,7 +288,7 @@ class TorchKernels(KernelSet):
             row = self._pool(own[done], positions[done], start, slots, state, *pool)
             block_positions = cm.block_positions[done]
             cos_b, sin_b = cos.index_select(0, block_positions), sin.index_select(0, block_positions)
-            rows.index_put_((cm.block_loc[done],), rotate_rows(row, cos_b, sin_b).to(rows.dtype))
+            self.put_rows(rows, cm.block_loc[done], rotate_rows(row, cos_b, sin_b).to(rows.dtype))
 
     def _pool(
         self,

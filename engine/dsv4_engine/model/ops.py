@@ -4,7 +4,7 @@ step hands it (`kernels.KernelSet`: the batch carries the engine's choice; modul
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -40,7 +40,11 @@ class Module(nn.Module):
 
 
 class Linear(Module, nn.Linear):
-    """`nn.Linear` without a bias (none of the model's projections has one), as the set's `linear`."""
+    """`nn.Linear` without a bias (none of the model's projections has one), as the set's `linear`.
+    A W8A8 checkpoint loaded for a set that runs int8 (`KernelSet.native_w8a8`) leaves the weight int8
+    with its per-channel `weight_scale` buffer beside it (loader.py); the set's `quant_linear` runs it."""
+
+    int8_weights: ClassVar[bool] = True  # the loader may keep this module's weight int8
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         if bias:
@@ -48,6 +52,8 @@ class Linear(Module, nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
+        if self.weight.dtype == torch.int8:
+            return kernels.quant_linear(x, self.weight, self.weight_scale)
         return kernels.linear(x, self.weight)
 
 

@@ -72,9 +72,12 @@ def attention_inputs(attn: nn.Module) -> list[nn.Linear]:
     return out
 
 
-def decode_packs(model: nn.Module) -> list[tuple[Packed, Packed]]:
+def decode_packs(model: nn.Module) -> list[tuple[Packed, Packed]] | None:
     """Per layer: (attention input projections, shared expert gate + up), packed once per model and
-    reused while the weights are still views of the packed matrices."""
+    reused while the weights are still views of the packed matrices; None when a projection is int8
+    (W8A8 on NPU: each runs its own `quant_linear`)."""
+    if any(p.dtype == torch.int8 for p in model.parameters()):
+        return None
     groups = [
         (
             attention_inputs(layer.self_attn),

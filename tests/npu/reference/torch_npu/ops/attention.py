@@ -16,7 +16,13 @@ from the op's page in ops-transformer (`attention/sparse_flash_attention/README.
 block_size a multiple of 16, at most 1024; sparse_block_size divides block_size; TND query with
 BSND kv unsupported; without paging, layout_kv equals layout_query; query, key, value,
 sparse_indices, ropes contiguous, bfloat16/float16; sparse_indices int32 with the valid entries
-first and -1 after; lengths int32, the query's cumulative (TND, required) and non-decreasing.
+first and -1 after; lengths int32, the query's cumulative (TND, required) and non-decreasing. The
+op's tiling (`op_host/sparse_flash_attention_tiling.cpp`) adds: attention_mode 2 (MLA-absorb) only,
+query_rope and key_rope required (D 64, query's dtype), the value as wide as the key (512), a
+block_table exactly when kv is PA_BSND. npu_lightning_indexer's tiling
+(`lightning_indexer/op_host/lightning_indexer_tiling.cpp`): query, key and weights of one dtype
+(bf16/fp16), head dim 128, one key head, a block_table and actual_seq_lengths_key exactly when
+keys are PA_BSND, blocks a multiple of 16 up to 1024.
 
 Semantics (sparse_block_size 1, the modelled case): for query token t of batch b and each head, the
 scores are scale * (q . k + q_rope . k_rope) over the keys at positions sparse_indices[t, 0, :]
@@ -24,7 +30,10 @@ that are valid (>= 0, < kv length, and with sparse_mode 3 not after the token's 
 kv_len - q_len + i); softmax over them, plus the head's sink logit in the denominator when `sinks`
 is given (the 2.14.0 docstring does not describe `sinks`; this is the attention-sink form DSV4 and
 gpt-oss use: verify on hardware); output = weights @ v (v = key when value is None, CANN >= 9.2).
-A token with no valid key outputs zeros.
+A token with no valid key outputs zeros. With return_softmax_lse, softmax_max is each row's
+largest logit (the sink's if larger) and softmax_sum its sum of exp(logit - max), the sink's term
+included (-inf and 0 for a token with no valid key): the usual flash-attention statistics, which
+is what a caller merging two calls relies on (verify the sink's part on hardware).
 """
 
 from __future__ import annotations
@@ -36,7 +45,9 @@ import torch
 from ._registry import check, contiguous, dtype_in, op
 
 DOC = "torch_npu 2.14.0 docstring/meta + ops-transformer attention/sparse_flash_attention/README.md"
+TILING = "ops-transformer attention/sparse_flash_attention/op_host/sparse_flash_attention_tiling.cpp"
 LI_DOC = "torch_npu 2.14.0 _op_plugin_docs.py npu_lightning_indexer + meta"
+LI_TILING = "ops-transformer attention/lightning_indexer/op_host/lightning_indexer_tiling.cpp"
 HALFS = (torch.float16, torch.bfloat16)
 _MAX = (1 << 63) - 1
 
@@ -87,18 +98,19 @@ def _kv_rows(
 def _kv_lengths(
     name: str, layout: str, key: torch.Tensor, lens: torch.Tensor | None, batches: int, doc: str
 ) -> list[int]:
+    arg = "actual_seq_lengths_key" if name == "npu_lightning_indexer" else "actual_seq_lengths_kv"
     if lens is None:
-        check(layout == "BSND", name, "actual_seq_lengths_kv is required with paged or TND kv", doc)
+        check(layout == "BSND", name, f"{arg} is required with paged or TND kv", doc)
         return [key.shape[1]] * batches
-    dtype_in(name, "actual_seq_lengths_kv", lens, (torch.int32,), doc)
-    check(
-        lens.dim() == 1 and lens.shape[0] == batches,
-        name,
-        f"actual_seq_lengths_kv must be 1-D of B={batches}",
-        doc,
-    )
+    dtype_in(name, arg, lens, (torch.int32,), doc)
+    check(lens.dim() == 1 and lens.shape[0] == batches, name, f"{arg} must be 1-D of B={batches}", doc)
     values = lens.tolist()
-    check(all(v >= 0 for v in values), name, "actual_seq_lengths_kv must be non-negative", doc)
+    check(all(v >= 0 for v in values), name, f"{arg} must be non-negative", doc)
+    # Lengths past the key tensor would read past its end (the device does not check).
+    if layout == "TND":
+        check(sum(values) <= key.shape[0], name, f"kv lengths sum to {sum(values)} > T={key.shape[0]}", doc)
+    elif layout == "BSND":
+        check(max(values, default=0) <= key.shape[1], name, f"a kv length exceeds S={key.shape[1]}", doc)
     return values
 
 
@@ -203,11 +215,14 @@ def npu_sparse_flash_attention(
         "pre_tokens/next_tokens windows are not modelled",
         DOC,
     )
+    # ops-transformer's tiling (CheckRopeExistence, CheckFeatureMlaNoQuantShape): only the MLA-absorb
+    # mode, with both ropes of D 64 beside a 512-wide latent that is also the value.
+    check(attention_mode == 2, name, f"attention_mode must be 2 (MLA-absorb), got {attention_mode}", TILING)
     check(
-        attention_mode in (0, 2),
+        query_rope is not None and key_rope is not None,
         name,
-        f"attention_mode must be 0 or 2 (MLA-absorb), got {attention_mode}",
-        DOC,
+        "query_rope and key_rope are required (attention_mode 2)",
+        TILING,
     )
     check(
         query.numel() > 0 and key.numel() > 0 and sparse_indices.numel() > 0,
@@ -254,17 +269,27 @@ def npu_sparse_flash_attention(
         f"query and key D must be 512, got {d} and {key.shape[-1]}",
         DOC,
     )
-    if (query_rope is None) != (key_rope is None):
-        check(False, name, "query_rope and key_rope go together", DOC)
-    if query_rope is not None:
-        check(
-            query_rope.shape[-1] == 64 and key_rope.shape[-1] == 64,
-            name,
-            "query_rope and key_rope D must be 64",
-            DOC,
-        )
-        check(query_rope.shape[:-1] == query.shape[:-1] and key_rope.shape[:-1] == key.shape[:-1], name,
-              "ropes must match query/key in every dim but D", DOC)  # fmt: skip
+    assert query_rope is not None and key_rope is not None  # checked above
+    check(
+        query_rope.shape[-1] == 64 and key_rope.shape[-1] == 64,
+        name,
+        "query_rope and key_rope D must be 64",
+        DOC,
+    )
+    check(query_rope.shape[:-1] == query.shape[:-1] and key_rope.shape[:-1] == key.shape[:-1], name,
+          "ropes must match query/key in every dim but D", DOC)  # fmt: skip
+    check(
+        query_rope.dtype == query.dtype and key_rope.dtype == query.dtype,
+        name,
+        "query_rope and key_rope must have query's dtype",
+        TILING,
+    )
+    check(
+        (layout_kv == "PA_BSND") == (block_table is not None),
+        name,
+        "block_table is required with PA_BSND kv and must be None otherwise",
+        TILING,
+    )
     if layout_kv == "PA_BSND":
         block = key.shape[1]
         check(
@@ -294,10 +319,10 @@ def npu_sparse_flash_attention(
         check(sinks.shape == (n1,), name, f"sinks must be 1-D of the query heads ({n1})", DOC)
 
     q = query.reshape(-1, n1, d).float()
-    qr = query_rope.reshape(-1, n1, 64).float() if query_rope is not None else None
-    k = key.reshape(-1, key.shape[-1]).float()  # N2 = 1
-    vv = v.reshape(-1, v.shape[-1]).float()
-    kr = key_rope.reshape(-1, 64).float() if key_rope is not None else None
+    qr = query_rope.reshape(-1, n1, 64).float()
+    k = key.reshape(-1, key.shape[-1])  # N2 = 1; only the picked rows are read (and widened)
+    vv = v.reshape(-1, v.shape[-1])
+    kr = key_rope.reshape(-1, 64)
     idx = sparse_indices.reshape(-1, sparse_indices.shape[-1]).long()
     out = torch.zeros(q.shape[0], n1, vv.shape[-1])
     lse_max = torch.full((q.shape[0], n1), float("-inf"))
@@ -319,10 +344,7 @@ def npu_sparse_flash_attention(
             if sel.numel() == 0:
                 continue
             r = rows[sel]
-            s = q[t] @ k[r].T  # [N1, n]
-            if qr is not None:
-                s = s + qr[t] @ kr[r].T
-            s = s * scale_value
+            s = (q[t] @ k[r].float().T + qr[t] @ kr[r].float().T) * scale_value  # [N1, n]
             m = s.amax(dim=-1, keepdim=True)
             if sinks is not None:
                 m = torch.maximum(m, sinks.float().unsqueeze(-1))
@@ -330,7 +352,7 @@ def npu_sparse_flash_attention(
             denom = e.sum(dim=-1, keepdim=True)
             if sinks is not None:
                 denom = denom + torch.exp(sinks.float().unsqueeze(-1) - m)
-            out[t] = (e / denom) @ vv[r]
+            out[t] = (e / denom) @ vv[r].float()
             lse_max[t], lse_sum[t] = m.squeeze(-1), denom.squeeze(-1)
     attention_out = out.to(query.dtype).reshape(*query.shape[:-1], vv.shape[-1])
     if not return_softmax_lse:
@@ -405,10 +427,26 @@ def npu_lightning_indexer(
     for arg, t in (("query", query), ("key", key), ("weights", weights)):
         dtype_in(name, arg, t, HALFS, LI_DOC)
         contiguous(name, arg, t, LI_DOC)
+    check(
+        key.dtype == query.dtype and weights.dtype == query.dtype,
+        name,
+        "query, key and weights must have one dtype",
+        LI_TILING,
+    )
     n1, d = query.shape[-2], query.shape[-1]
     n2 = key.shape[-2]
+    check(d == 128, name, f"query head_dim D={d}: only 128 is supported", LI_TILING)
     check(key.shape[-1] == d, name, f"key D {key.shape[-1]} must equal query D {d}", LI_DOC)
-    check(n2 == 1, name, f"key heads N2={n2}: only 1 is modelled", LI_DOC)
+    check(n2 == 1, name, f"key heads N2={n2} must be 1", LI_TILING)
+    paged = layout_key == "PA_BSND"
+    check(paged == (block_table is not None), name,
+          "block_table is required with PA_BSND keys and must be None otherwise", LI_TILING)  # fmt: skip
+    check(not paged or actual_seq_lengths_key is not None, name,
+          "PA_BSND keys need actual_seq_lengths_key", LI_TILING)  # fmt: skip
+    if paged:
+        block = key.shape[1]
+        check(0 < block <= 1024 and block % 16 == 0, name,
+              f"block_size {block} must be a multiple of 16 in (0, 1024]", LI_TILING)  # fmt: skip
     check(
         tuple(weights.shape) == tuple(query.shape[:-1]),
         name,
