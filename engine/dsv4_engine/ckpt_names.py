@@ -49,6 +49,17 @@ LAYER_NAMES = {
     "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
+# The MTP layer's own tensors (inside `mtp.N.`), besides a decoder layer's: DeepSeek's `MTPBlock`.
+MTP_NAMES = {
+    "e_proj.weight": "e_proj.weight",
+    "h_proj.weight": "h_proj.weight",
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "norm.weight": "norm.weight",
+    "hc_head_fn": "hc_head.hc_fn",
+    "hc_head_base": "hc_head.hc_base",
+    "hc_head_scale": "hc_head.hc_scale",
+}
 TOP_NAMES = {
     "embed.weight": "model.embed_tokens.weight",
     "head.weight": "lm_head.weight",
@@ -57,7 +68,7 @@ TOP_NAMES = {
     "hc_head_base": "model.hc_head.hc_base",
     "hc_head_scale": "model.hc_head.hc_scale",
 }
-_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_LAYER_RE = re.compile(r"^(layers|mtp)\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
 
 
@@ -69,15 +80,19 @@ def hf_name(key: str, model_keys: set[str]) -> tuple[str, tuple | None] | None:
             return cand, None
     mapped = TOP_NAMES.get(base)
     if mapped is None and (m := _LAYER_RE.match(base)):
-        layer, rest = m.groups()
+        kind, layer, rest = m.groups()
+        # A main layer is `model.layers.N.`; the MTP layer N (a decoder layer plus its own) `mtp.N.`.
+        prefix = f"model.layers.{layer}" if kind == "layers" else f"mtp.{layer}"
         if rest in LAYER_NAMES:
-            mapped = f"model.layers.{layer}.{LAYER_NAMES[rest]}"
+            mapped = f"{prefix}.{LAYER_NAMES[rest]}"
+        elif kind == "mtp" and rest in MTP_NAMES:
+            mapped = f"{prefix}.{MTP_NAMES[rest]}"
         elif e := _EXPERT_RE.match(rest):
             expert, which = int(e.group(1)), e.group(2)
             if which == "w2":
-                return f"model.layers.{layer}.mlp.experts.down_proj", (expert,)
+                return f"{prefix}.mlp.experts.down_proj", (expert,)
             # gate_up_proj rows: w1 (gate) first, then w3 (up); the half is resolved against the shape
-            return f"model.layers.{layer}.mlp.experts.gate_up_proj", (expert, which)
+            return f"{prefix}.mlp.experts.gate_up_proj", (expert, which)
     if mapped is None:
         return None
     for cand in (mapped, mapped.removeprefix("model.")):

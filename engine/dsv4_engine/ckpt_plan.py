@@ -3,13 +3,14 @@
 `checkpoint_files` maps every tensor name to its file (an index, one `model.safetensors`, or every
 `*.safetensors` in the folder); `plan` matches each checkpoint tensor to the model tensor it fills
 (or the expert slice of a fused one), with its kind (plain, fp8 with a block scale, packed fp4 with
-a group scale), and names every unknown, missing, mis-shaped or doubly given tensor in one
-CheckpointError, before any data is read.
+a group scale, W8A8 int8 with per-channel scales), and names every unknown, missing, mis-shaped or
+doubly given tensor in one CheckpointError, before any data is read.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,11 @@ SINGLE_FILE = "model.safetensors"
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 FP4_DTYPES = ("I8", "U8", "F4")
+# The Ascend W8A8 release (msmodelslim): `X.weight` int8 [O, I] beside `X.weight_scale` and
+# `X.weight_offset` [O, 1]; `.weight_scale` is not `.scale`/`.weight_scale_inv` (those end otherwise).
+W8A8_SCALE = ".weight_scale"
+W8A8_OFFSET = ".weight_offset"
+W8A8_SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
 class CheckpointError(ValueError):
@@ -39,10 +45,12 @@ class Piece:
     target: str
     index: tuple[int | slice, ...] | None
     logical_shape: tuple[int, ...]
-    kind: str  # "plain" | "fp8" | "fp4"
+    kind: str  # "plain" | "fp8" | "fp4" | "w8a8"
     scale_key: str | None = None
     scale_file: Path | None = None
     nbytes: int = 0
+    offset_key: str | None = None  # w8a8's zero point, when the checkpoint has one
+    offset_file: Path | None = None
 
 
 def checkpoint_files(path: str | Path) -> dict[str, Path]:
@@ -92,7 +100,8 @@ def plan(
     full_shapes: dict[str, tuple[int, ...]],
 ) -> tuple[list[Piece], list[str]]:
     """The checkpoint's tensors matched to the model's, against each tensor's full shape (a rank's
-    sharded tensors are only its part: `full_shapes` holds theirs); and the `mtp.*` tensors skipped."""
+    sharded tensors are only its part: `full_shapes` holds theirs); and the `mtp.*` tensors skipped (all of
+    them when the model has no MTP layer)."""
     model_keys = set(targets)
     handles: dict[Path, object] = {}
 
@@ -104,23 +113,33 @@ def plan(
         return sl.get_dtype(), tuple(sl.get_shape())
 
     scale_keys = {k for k in files if k.endswith(SCALE_SUFFIXES)}
+    w8a8_keys = {k for k in files if k.endswith((W8A8_SCALE, W8A8_OFFSET))}
     used_scales: set[str] = set()
     pieces: list[Piece] = []
     skipped: list[str] = []
     errors: list[str] = []
     covered: dict[str, list[tuple]] = {}
+    # The MTP layer is read only into a model that has one (speculative decoding on); else skipped.
+    has_mtp = any(k.startswith("mtp.") for k in model_keys)
     for key in sorted(files):
-        if key.removeprefix("model.").startswith("mtp."):
+        if key.removeprefix("model.").startswith("mtp.") and not has_mtp:
             skipped.append(key)
             continue
-        if key in scale_keys:
+        if key in scale_keys or key in w8a8_keys:
             continue
         dtype, shape = meta(key)
         stem = key.removesuffix(".weight")
         scale_key = next((stem + s for s in SCALE_SUFFIXES if stem + s in scale_keys), None)
+        offset_key = None
         kind = "plain"
         logical = shape
-        if dtype in FP8_DTYPES:
+        if stem + W8A8_SCALE in w8a8_keys:
+            kind, scale_key = "w8a8", stem + W8A8_SCALE
+            offset_key = stem + W8A8_OFFSET if stem + W8A8_OFFSET in w8a8_keys else None
+            errors.extend(_w8a8_errors(key, dtype, shape, scale_key, offset_key, meta))
+        elif key.endswith(".weight") and stem + W8A8_OFFSET in w8a8_keys:
+            errors.append(f"{key}: has a W8A8 offset {stem}{W8A8_OFFSET} but no scale {stem}{W8A8_SCALE}")
+        elif dtype in FP8_DTYPES:
             kind = "fp8"
             if scale_key is None:
                 errors.append(
@@ -148,6 +167,8 @@ def plan(
             )
         if scale_key is not None:
             used_scales.add(scale_key)
+        if offset_key is not None:
+            used_scales.add(offset_key)
 
         hit = hf_name(key, model_keys)
         if hit is None or hit[0] not in targets:
@@ -182,9 +203,11 @@ def plan(
                 scale_key=scale_key,
                 scale_file=files.get(scale_key) if scale_key else None,
                 nbytes=_numel(shape) * _itemsize(dtype),
+                offset_key=offset_key,
+                offset_file=files.get(offset_key) if offset_key else None,
             )
         )
-    for s in sorted(scale_keys - used_scales - set(skipped)):
+    for s in sorted((scale_keys | w8a8_keys) - used_scales - set(skipped)):
         errors.append(f"unexpected tensor {s}: a scale whose weight is not in the checkpoint")
     for name, t in targets.items():
         errors.extend(_missing(name, full_shapes.get(name) or tuple(t.shape), covered.get(name)))
@@ -193,6 +216,31 @@ def plan(
         more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
         raise CheckpointError(f"checkpoint {path} does not fit the model:\n  {shown}{more}")
     return pieces, skipped
+
+
+def _w8a8_errors(
+    key: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    scale_key: str,
+    offset_key: str | None,
+    meta: Callable[[str], tuple[str, tuple[int, ...]]],
+) -> list[str]:
+    """What is wrong with a W8A8 weight and its per-channel scale (and zero point), from the headers."""
+    if dtype != "I8" or len(shape) != 2:
+        return [f"{key}: has a W8A8 scale {scale_key} but is {dtype} {shape}, not a 2-D int8 weight"]
+    out = []
+    rows = ((shape[0], 1), (shape[0],))
+    for k in (scale_key, offset_key):
+        if k is None:
+            continue
+        kdtype, kshape = meta(k)
+        what = f"{k}: W8A8 {k.rsplit('_', 1)[-1]}"  # scale or offset
+        if kshape not in rows:
+            out.append(f"{what} has shape {kshape}, expected {rows[0]} for weight {shape}")
+        if kdtype not in W8A8_SCALE_DTYPES:
+            out.append(f"{what} has dtype {kdtype}; expected one of {', '.join(W8A8_SCALE_DTYPES)}")
+    return out
 
 
 def _missing(name: str, shape: tuple[int, ...], got: list[tuple] | None) -> list[str]:

@@ -17,7 +17,8 @@ The recipe, `dsv4 make-tiny --preset demo OUT`, is fixed end to end:
   it is held out);
 - model: the tiny preset's architecture with HF `DeepseekV4ForCausalLM`, HF's initialisation (the
   hash layers' token-to-expert table drawn as make_tiny draws it: HF leaves it zero), AdamW with
-  warm-up and cosine decay, next-token loss on windows of SEQ_LEN tokens, seeded.
+  warm-up and cosine decay, next-token loss on windows of SEQ_LEN tokens, seeded;
+- then the MTP layer (mtp_train.py), MTP_STEPS steps on the same windows, the main model frozen.
 The lightning indexer gets no gradient from the next-token loss (its top-k is not differentiable) and
 DeepSeek's KL loss towards the main attention is not trained here, so CSA picks its compressed rows
 with random indexer weights: the model learned to read what it is given.
@@ -27,7 +28,7 @@ Torch's CPU kernels are deterministic for a fixed thread count, so the same torc
 (`make_tiny.shipped`), with `demo.json` (the recipe, its losses) and `SHA256SUMS`.
 
 This module is the recipe's constants, corpus and model, and the bundled checkpoint's check;
-demo_train.py runs the recipe.
+demo_train.py runs the recipe, mtp_train.py its second stage.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ if TYPE_CHECKING:  # importing this module (dsv4 up finds the bundled checkpoint
 
 BUNDLED = Path(__file__).with_name("data") / "demo"
 CORPUS_DIGEST = "6061bdb5e47e53fb"  # sha256 (16 hex) of CPython 3.11's topics, which the bundled model saw
-VOCAB_SIZE = 1536  # 2048 would take the committed bf16 checkpoint past its 12 MB budget
+VOCAB_SIZE = 1536  # 2048 would take the committed bf16 checkpoint past its budget (15 MB with the MTP layer)
 HOLDOUT_EVERY = 20
 CHUNK_CHARS = 1000  # a chunk closes at the first paragraph break after this many characters
 SEQ_LEN = 256
@@ -56,6 +57,8 @@ MIN_LR_FRACTION = 0.1
 WARMUP_STEPS = 40
 WEIGHT_DECAY = 0.1
 EVAL_EVERY = 100
+MTP_STEPS = 300  # the second stage: the MTP layer on the frozen main model (3 epochs of the documents)
+MTP_LR = 4e-3
 THREADS = 2  # the bundled model's; another count changes the bytes (reduction order), not the quality
 SEED = 0
 QUESTIONS = ("What is {}?", "Tell me about {}.", "Explain {}.", "How does {} work in Python?")

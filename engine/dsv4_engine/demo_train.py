@@ -1,6 +1,7 @@
 """Running the demo recipe (demo.py declares it): its documents in shuffled windows, the training
 loop with its held-out evaluations, and the checkpoint written with demo.json and SHA256SUMS.
-`dsv4 make-tiny --preset demo OUT` runs `train`."""
+`dsv4 make-tiny --preset demo OUT` runs `train`, then the second stage (mtp_train.py: the MTP layer on
+the frozen main model); `--mtp-only` runs only the second, on OUT."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dsv4_engine.demo import (
     EVAL_EVERY,
     LR,
     MIN_LR_FRACTION,
+    MTP_STEPS,
     SEED,
     SEQ_LEN,
     STEPS,
@@ -69,11 +71,29 @@ def batches(docs: list[list[int]], seq_len: int, batch: int, rng: random.Random)
             yield windows[perm[k : k + batch]]
 
 
-def _lr(step: int, steps: int) -> float:
+def lr_at(step: int, steps: int, lr: float = LR) -> float:
     if step < WARMUP_STEPS:
-        return LR * (step + 1) / WARMUP_STEPS
+        return lr * (step + 1) / WARMUP_STEPS
     t = (step - WARMUP_STEPS) / max(1, steps - WARMUP_STEPS)
-    return LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * t)))
+    return lr * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def adamw(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW, weight decay on the matrices but the mHC ones."""
+    import torch
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "hc" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "hc" not in n)]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+
+
+def recipe_command(seed: int, steps: int, threads: int, mtp_steps: int) -> str:
+    """demo.json's `command`; the first stage writes mtp_steps 0, the second its own."""
+    return f"dsv4 make-tiny --preset demo OUT --seed {seed} --steps {steps} --threads {threads} --mtp-steps {mtp_steps}"
 
 
 class Progress:
@@ -124,9 +144,9 @@ def train(
     check_corpus: bool = True,
     heldout_limit: int | None = None,
 ) -> Path:
-    """Run the recipe; writes the checkpoint, its tokenizer, demo.json and SHA256SUMS to out_dir.
-    heldout_limit: evaluate the held-out loss on the first that many windows only (the recipe uses
-    all; evaluation is most of a short run's time)."""
+    """Run the recipe's first stage; writes the checkpoint, its tokenizer, demo.json and SHA256SUMS to
+    out_dir. heldout_limit: evaluate the held-out loss on the first that many windows only (the recipe
+    uses all; evaluation is most of a short run's time). The second stage is mtp_train.train_mtp."""
     import torch
     from transformers import AutoTokenizer
 
@@ -154,13 +174,7 @@ def train(
             flush=True,
         )
         model = hf_model(cfg, seed)
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "hc" not in n]
-        rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "hc" not in n)]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}],
-            lr=LR,
-            betas=(0.9, 0.95),
-        )
+        opt = adamw(model, LR)
 
         def logits_of(ids: torch.Tensor) -> torch.Tensor:
             return model(input_ids=ids).logits
@@ -177,7 +191,7 @@ def train(
         model.train()
         for step, window in zip(range(steps), batches(docs, seq_len, batch, rng), strict=False):
             for g in opt.param_groups:
-                g["lr"] = _lr(step, steps)
+                g["lr"] = lr_at(step, steps)
             logits = logits_of(window[:, :-1])
             loss_t = torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
             opt.zero_grad(set_to_none=True)
@@ -193,7 +207,7 @@ def train(
         model.eval()
         _save(model, cfg, out)
         recipe = {
-            "command": f"dsv4 make-tiny --preset demo OUT --seed {seed} --steps {steps} --threads {threads}",
+            "command": recipe_command(seed, steps, threads, 0),
             "corpus": "pydoc_data.topics",
             "corpus_digest": corpus_digest(),
             "python": platform.python_version(),
@@ -228,4 +242,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=THREADS,
         help=f"--preset demo: torch threads (default {THREADS}, the bundled model's: another count changes "
         "its bytes, not its quality)",
+    )
+    p.add_argument(
+        "--mtp-steps",
+        type=int,
+        default=MTP_STEPS,
+        help=f"--preset demo: MTP stage steps (default {MTP_STEPS}; 0: no MTP layer)",
+    )
+    p.add_argument(
+        "--mtp-only",
+        action="store_true",
+        help="--preset demo: run only the MTP stage, on the demo checkpoint already in OUT (rewritten in place)",
     )

@@ -7,7 +7,12 @@ Accepted checkpoints (single `model.safetensors`, sharded `model.safetensors.ind
   `embed.weight`, `head.weight`), with or without a `model.` prefix (HF's `save_pretrained` writes the
   latter), FP8 weights with 128x128 block scales (`.scale` ue8m0 or `.weight_scale_inv` float32) and
   FP4-packed experts (see quant.py), dequantised here on CPU, tensor by tensor;
-- `mtp.*` (the multi-token-prediction layer) is skipped and counted.
+- the Ascend W8A8 release: int8 `X.weight` with per-channel `X.weight_scale` (and a zero
+  `X.weight_offset`), dequantised like FP8 by default; with `keep_int8` (an engine whose kernel set runs
+  W8A8 natively, `KernelSet.native_w8a8`: NPU) a module that takes int8 weights (`int8_weights`) keeps
+  them, its per-channel scales beside them as `weight_scale`;
+- `mtp.*` (the multi-token-prediction layer) fills the model's MTP layer when it has one
+  (speculative decoding on), and is otherwise skipped and counted.
 
 Every check that needs only the headers (unknown, missing, mis-shaped tensors) runs before any data is
 read: ckpt_plan.py matches the checkpoint's tensors to the model's; this module reads and places them.
@@ -55,6 +60,8 @@ class LoadReport:
     skipped_mtp: int = 0
     dequantized_fp8: int = 0
     dequantized_fp4: int = 0
+    dequantized_w8a8: int = 0
+    kept_int8: int = 0  # W8A8 weights left int8 (keep_int8), their scales beside them
     bytes_read: int = 0
     seconds: float = 0.0
     skipped_names: list[str] = field(default_factory=list)
@@ -94,6 +101,22 @@ def _cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
             t.data = t.data.to(dtype)
 
 
+def _int8_owner(model: torch.nn.Module, target: str) -> torch.nn.Module | None:
+    """The module whose `weight` is `target`, if it runs int8 weights (`int8_weights`, a class flag:
+    its forward sends them to the set's `quant_linear`); else None."""
+    owner, _, leaf = target.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return module if leaf == "weight" and getattr(module, "int8_weights", False) else None
+
+
+def _keep_int8(module: torch.nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Swap the module's weight for the int8 one and put its per-row float32 scales beside it (not in
+    the state dict, whose names stay the checkpoint's), on the weight's device."""
+    device = module.weight.device
+    module.weight = torch.nn.Parameter(weight.to(device), requires_grad=False)
+    module.register_buffer("weight_scale", scale.to(device, torch.float32), persistent=False)
+
+
 def load_checkpoint(
     model: torch.nn.Module,
     path: str | Path,
@@ -101,16 +124,21 @@ def load_checkpoint(
     dtype: str | torch.dtype | None = None,
     progress: bool = True,
     device: str | torch.device = "cpu",
+    keep_int8: bool = False,
 ) -> LoadReport:
     """Fill `model`'s parameters and persistent buffers from the checkpoint at `path`.
 
     dtype: None keeps the model's dtypes; "auto" is float32 on CPU; a dtype converts floating tensors to it
     first (except those HF keeps in float32: norms, sinks, hyper-connections, compressor biases).
+    keep_int8: W8A8 weights of modules that take int8 (`int8_weights`) stay int8 with their per-channel
+    scales (the caller's kernel set runs `quant_linear` natively: `KernelSet.native_w8a8`); other W8A8
+    weights (experts, grouped or plain torch projections) and every W8A8 weight by default are
+    dequantised to the model's dtype like FP8.
     Each checkpoint tensor is read, dequantised and cast on its own, then copied into place. A rank of
     a parallel server (`model.parallel`) reads only its shard of each split tensor (parallel/shard.py);
     quantised ones are read whole, since their scales cover blocks across the split.
     """
-    from dsv4_engine.parallel.shard import model_shards
+    from dsv4_engine.parallel.shard import Shard, model_shards
 
     start = time.perf_counter()
     report = LoadReport(path=str(path))
@@ -170,7 +198,28 @@ def load_checkpoint(
                 continue
             t = read(p.key, p.file)
             report.tensors_read += 1
-            if p.kind != "plain":
+            kept = False
+            if p.kind == "w8a8":
+                scale = read(p.scale_key, p.scale_file)
+                offset = read(p.offset_key, p.offset_file) if p.offset_key else None
+                report.tensors_read += 1 + (offset is not None)
+                try:
+                    scale = quant.w8a8_scale_rows(scale, t.shape[0])
+                    quant.check_w8a8_offset(offset, t.shape[0])
+                except ValueError as e:
+                    raise CheckpointError(f"{p.key}: {e}") from e
+                owner = _int8_owner(model, p.target) if keep_int8 and index is None else None
+                if owner is not None:
+                    if shard is not None:  # split rows keep their scales; split columns share them all
+                        rows = shard.ranges.get(0)
+                        t, scale = shard.take(t), Shard({0: rows}).take(scale) if rows else scale
+                    _keep_int8(owner, t, scale)
+                    kept = True
+                    report.kept_int8 += 1
+                else:
+                    t = quant.dequant_w8a8(t, scale)
+                    report.dequantized_w8a8 += 1
+            elif p.kind != "plain":
                 scale = read(p.scale_key, p.scale_file)
                 report.tensors_read += 1
                 if p.kind == "fp8":
@@ -179,10 +228,11 @@ def load_checkpoint(
                 else:
                     t = quant.dequant_fp4(t, scale)
                     report.dequantized_fp4 += 1
-            if shard is not None:
-                t = shard.take(t)
-            view = dest.data if index is None else dest.data[index]
-            view.copy_(t.to(dtype=dest.dtype))
+            if not kept:
+                if shard is not None:
+                    t = shard.take(t)
+                view = dest.data if index is None else dest.data[index]
+                view.copy_(t.to(dtype=dest.dtype))
             filled.add(p.target)
             report.bytes_read += p.nbytes
             if verbose and report.bytes_read >= next_log:
@@ -196,14 +246,16 @@ def load_checkpoint(
     report.targets_filled = len(filled)
     report.seconds = time.perf_counter() - start
     log.info(
-        "loaded %s: %d model tensors from %d checkpoint tensors in %d file(s), %d fp8 and %d fp4 dequantised, "
-        "%d mtp.* tensors skipped, %.1fs",
+        "loaded %s: %d model tensors from %d checkpoint tensors in %d file(s), %d fp8, %d fp4 and %d w8a8 "
+        "dequantised, %d w8a8 kept int8, %d mtp.* tensors skipped, %.1fs",
         path,
         report.targets_filled,
         report.tensors_read,
         report.files,
         report.dequantized_fp8,
         report.dequantized_fp4,
+        report.dequantized_w8a8,
+        report.kept_int8,
         report.skipped_mtp,
         report.seconds,
     )

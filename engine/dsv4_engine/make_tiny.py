@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from dsv4_engine import quant
 from dsv4_engine.ckpt_names import released_names
 from dsv4_engine.loader import INDEX_FILE, SINGLE_FILE
+from dsv4_engine.mtp_layer import mtp_shapes, released_mtp_names, with_mtp
 from dsv4_engine.tokenizer import write_tokenizer
 
 # Pinned presets (docs/checkpoints.md). Legacy (released) config keys, as DeepSeek ships them.
@@ -115,6 +116,7 @@ COMMON = {
 
 # Released FP8 checkpoint: these linears are FP8 with 128x128 ue8m0 block scales, routed experts FP4.
 FP8_LINEARS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b")
+MTP_FP8_LINEARS = ("e_proj", "h_proj")  # the MTP layer's own projections ship FP8 too
 FP8_QUANT_CONFIG = {
     "activation_scheme": "dynamic",
     "fmt": "e4m3",
@@ -122,6 +124,10 @@ FP8_QUANT_CONFIG = {
     "scale_fmt": "ue8m0",
     "weight_block_size": [128, 128],
 }
+# The Ascend W8A8 release (msmodelslim W8A8_DYNAMIC) quantises what DeepSeek ships in FP8 or FP4 to
+# per-channel int8 and lists every tensor's kind in this file (docs/checkpoints.md).
+W8A8_DESCRIPTION = "quant_model_description.json"
+QUANT_MODES = ("none", "fp8", "w8a8")
 SCORE_BIAS_STD = 0.25  # large enough that the correction bias changes >= 20% of expert picks
 
 
@@ -143,10 +149,12 @@ def build_config(preset: str = "tiny", quant_mode: str = "none", overrides: dict
         cfg["quantization_config"] = dict(FP8_QUANT_CONFIG)
         cfg["expert_dtype"] = "fp4"
         cfg["torch_dtype"] = "bfloat16"
+    elif quant_mode == "w8a8":  # the weights say it (int8 + weight_scale) and the description lists them
+        cfg["torch_dtype"] = "bfloat16"
     elif quant_mode == "none":
         cfg["torch_dtype"] = "float32"
     else:
-        raise ValueError(f"quant must be none or fp8, got {quant_mode!r}")
+        raise ValueError(f"quant must be one of {', '.join(QUANT_MODES)}, got {quant_mode!r}")
     return cfg
 
 
@@ -195,17 +203,45 @@ def draw(name: str, shape: tuple[int, ...], cfg: dict, seed: int) -> torch.Tenso
     raise ValueError(f"make-tiny does not know how to draw {name} {shape}")
 
 
+def released_kind(name: str) -> str:
+    """How DeepSeek's FP8 release stores a tensor (released name): "fp8" (the block-scaled linears),
+    "fp4" (routed experts) or "plain"."""
+    stem = name.removesuffix(".weight")
+    layer_rest = stem.split(".", 2)[-1] if stem.startswith(("layers.", "mtp.")) else stem
+    fp8 = FP8_LINEARS + (MTP_FP8_LINEARS if stem.startswith("mtp.") else ())
+    if layer_rest in fp8 or ".shared_experts." in stem:
+        return "fp8"
+    return "fp4" if ".experts." in stem else "plain"
+
+
 def quantise_released(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """The released storage of one tensor: FP8 + block scale, FP4 + group scale, or bf16/f32/i64 as shipped."""
     stem = name.removesuffix(".weight")
-    layer_rest = stem.split(".", 2)[-1] if stem.startswith("layers.") else stem
-    if layer_rest in FP8_LINEARS or ".shared_experts." in stem:
+    kind = released_kind(name)
+    if kind == "fp8":
         q, s = quant.quant_fp8_block(tensor)
         return {name: q, f"{stem}.scale": s}
-    if ".experts." in stem:
+    if kind == "fp4":
         q, s = quant.quant_fp4(tensor)
         return {name: q, f"{stem}.scale": s}
     return {name: shipped(name, tensor)}
+
+
+def quantise_w8a8(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The Ascend W8A8 storage of one tensor: what DeepSeek ships quantised becomes int8 with a float32
+    per-channel scale and a zero offset `[O, 1]`; everything else as shipped."""
+    if released_kind(name) == "plain":
+        return {name: shipped(name, tensor)}
+    stem = name.removesuffix(".weight")
+    q, scale, offset = quant.quant_w8a8(tensor)
+    return {name: q, f"{stem}.weight_scale": scale, f"{stem}.weight_offset": offset}
+
+
+def stored(quant_mode: str, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One tensor (released name) as `quant_mode` stores it."""
+    if quant_mode == "fp8":
+        return quantise_released(name, tensor)
+    return quantise_w8a8(name, tensor) if quant_mode == "w8a8" else {name: tensor}
 
 
 def shipped(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -245,19 +281,39 @@ def make_tiny(
     quant: str = "none",
     overrides: dict | None = None,
     shards: int = 1,
+    mtp: bool = False,
 ) -> Path:
-    """Write a random checkpoint (config.json, safetensors, generation_config.json, tokenizer) to `out_dir`."""
+    """Write a random checkpoint (config.json, safetensors, generation_config.json, tokenizer) to `out_dir`.
+    mtp: also a random MTP layer (`mtp.0.*`, `num_nextn_predict_layers` 1; see mtp_layer.py)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = build_config(preset, quant, overrides)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in hf_shapes(cfg).items():
         for rel, t in released_names(name, draw(name, shape, cfg, seed)).items():
-            tensors |= quantise_released(rel, t) if quant == "fp8" else {rel: t}
+            tensors |= stored(quant, rel, t)
+    if mtp:
+        cfg = with_mtp(cfg)
+        for name, shape in mtp_shapes(cfg).items():
+            # `mtp.` in the generator's name: the MTP's tensors are not copies of a main layer's
+            t = draw(f"mtp.{name}", shape, cfg, seed)
+            for rel, r in released_mtp_names(name, t, cfg["num_hidden_layers"]).items():
+                tensors |= stored(quant, rel, r)
     write_safetensors(tensors, out, shards)
     write_configs(out, cfg)
+    if quant == "w8a8":
+        write_w8a8_description(out, tensors)
     write_tokenizer(out, cfg["vocab_size"], cfg["max_position_embeddings"])
     return out
+
+
+def write_w8a8_description(out: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """msmodelslim's description beside the weights: the model's quant type, then each tensor's,
+    W8A8_DYNAMIC for a quantised weight and its scale and offset, FLOAT for the rest."""
+    quantised = {k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale")}
+    kinds = {k: "W8A8_DYNAMIC" if k.rsplit(".", 1)[0] in quantised else "FLOAT" for k in sorted(tensors)}
+    description = {"model_quant_type": "W8A8_DYNAMIC", **kinds}
+    (out / W8A8_DESCRIPTION).write_text(json.dumps(description, indent=2) + "\n")
 
 
 def write_configs(out: Path, cfg: dict) -> None:
@@ -288,15 +344,22 @@ def parser(extra_presets: dict[str, str] | None = None) -> argparse.ArgumentPars
         help="; ".join(["tiny: ~5M params", "small: ~100M", *(f"{k}: {v}" for k, v in extra.items())]),
     )
     p.add_argument(
-        "--quant", choices=["none", "fp8"], default="none", help="fp8: the released FP8/FP4 format"
+        "--quant",
+        choices=list(QUANT_MODES),
+        default="none",
+        help="fp8: DeepSeek's released FP8/FP4 format; w8a8: the Ascend W8A8 release (int8, per-channel scales)",
     )
     p.add_argument("--shards", type=int, default=1, help="split the weights into this many files")
+    p.add_argument(
+        "--mtp", action="store_true", help="random presets: also write a random MTP layer (mtp.0.*)"
+    )
     return p
 
 
 def run(a: argparse.Namespace) -> int:
-    out = make_tiny(a.out, seed=a.seed, preset=a.preset, quant=a.quant, shards=a.shards)
-    print(f"wrote {a.preset} checkpoint (seed {a.seed}, quant {a.quant}) to {out}")
+    out = make_tiny(a.out, seed=a.seed, preset=a.preset, quant=a.quant, shards=a.shards, mtp=a.mtp)
+    with_layer = " with an MTP layer" if a.mtp else ""
+    print(f"wrote {a.preset} checkpoint{with_layer} (seed {a.seed}, quant {a.quant}) to {out}")
     return 0
 
 

@@ -50,13 +50,18 @@ def load_model(
     device: torch.device,
     max_positions: int,
     parallel: Parallel = SINGLE,
+    *,
+    mtp: bool = False,
 ) -> Dsv4ForCausalLM:
-    """The checkpoint's model, or on a parallel server this rank's shard of it."""
+    """The checkpoint's model, or on a parallel server this rank's shard of it; mtp: with its MTP
+    layer (speculative decoding's draft model)."""
+    from dsv4_engine.kernels import choose_kernels
     from dsv4_engine.loader import load_checkpoint
 
     config = Dsv4Config.from_pretrained(model_path)
-    model = Dsv4ForCausalLM(config, max_positions=max_positions, parallel=parallel).cast(dtype)
-    load_checkpoint(model, model_path, dtype=None)
+    model = Dsv4ForCausalLM(config, max_positions=max_positions, parallel=parallel, mtp=mtp).cast(dtype)
+    # W8A8 weights stay int8 where the device's kernel set runs them (NPU), else are dequantised.
+    load_checkpoint(model, model_path, dtype=None, keep_int8=choose_kernels(device).native_w8a8)
     return model.to(device).eval()
 
 

@@ -36,6 +36,17 @@ def tiny_fp8_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_w8a8_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model in the Ascend W8A8 layout, written through `dsv4 make-tiny`'s own flags."""
+    from dsv4_engine.make_tiny import main
+
+    out = tmp_path_factory.mktemp("tiny_w8a8") / "ckpt"
+    with one_thread():
+        assert main([str(out), "--seed", "0", "--quant", "w8a8"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def hf_tiny(tiny_ckpt: Path):
     """HF transformers' own model, loaded by HF from the tiny checkpoint (the independent reference)."""
     from transformers import AutoModelForCausalLM

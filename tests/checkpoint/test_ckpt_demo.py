@@ -1,5 +1,5 @@
-"""The bundled demo checkpoint: intact and what its recipe records; the recipe itself runs (a few steps:
-CI never trains); and bench/demo_accuracy.py's gate: this engine's held-out perplexity equals HF's on
+"""The bundled demo checkpoint: intact and what its recipe records; the recipe's two stages run (a few
+steps: CI never trains); and bench/demo_accuracy.py's gate: this engine's held-out perplexity equals HF's on
 the same weights, far below the untrained model's, and a greedy answer's words are the training text's."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from dsv4_engine import demo, demo_train
+from dsv4_engine import demo, demo_train, mtp_train
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,15 +24,20 @@ def test_the_bundled_demo_checkpoint_is_intact_and_records_its_recipe() -> None:
     assert demo.verify_checksums(demo.BUNDLED) == []
     listed = [line.split("  ", 1)[1] for line in (demo.BUNDLED / "SHA256SUMS").read_text().splitlines()]
     assert sorted([*listed, "SHA256SUMS"]) == sorted(p.name for p in demo.BUNDLED.iterdir())
-    assert (demo.BUNDLED / "model.safetensors").stat().st_size <= 12_000_000
+    assert (demo.BUNDLED / "model.safetensors").stat().st_size <= 15_000_000  # 2.5 MB of it the MTP layer
     recipe = json.loads((demo.BUNDLED / "demo.json").read_text())
     assert recipe["corpus_digest"] == demo.CORPUS_DIGEST == demo.corpus_digest()
     assert (recipe["steps"], recipe["seed"], recipe["threads"]) == (demo.STEPS, demo.SEED, demo.THREADS)
     assert recipe["command"].startswith("dsv4 make-tiny --preset demo ")
+    assert recipe["command"].endswith(f" --mtp-steps {demo.MTP_STEPS}")
     curve = recipe["heldout_loss"]
     assert curve[0][0] == 0 and curve[-1][0] == demo.STEPS and curve[-1][1] < curve[0][1] - 3
+    mtp = recipe["mtp"]
+    assert (mtp["steps"], mtp["seed"], mtp["threads"]) == (demo.MTP_STEPS, demo.SEED, demo.THREADS)
+    assert mtp["heldout_loss"][-1][1] < mtp["heldout_loss"][0][1] - 2
     config = json.loads((demo.BUNDLED / "config.json").read_text())
     assert config["vocab_size"] == demo.VOCAB_SIZE and config["torch_dtype"] == "bfloat16"
+    assert config["num_nextn_predict_layers"] == 1 and config["compress_ratios"][-1] == 0
     tokenizer = json.loads((demo.BUNDLED / "tokenizer.json").read_text())
     assert len(tokenizer["model"]["vocab"]) == demo.VOCAB_SIZE  # the specials included
 
@@ -56,20 +62,32 @@ def test_no_held_out_paragraph_occurs_in_the_training_text() -> None:
 
 
 def test_the_recipe_trains_saves_and_serves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import load_file
+
     from dsv4_engine.llm import LLM
     from dsv4_engine.sampling_params import SamplingParams
 
-    short = {"steps": 2, "batch": 2, "seq_len": 32, "threads": 1, "heldout_limit": 8}
-    out = demo_train.train(tmp_path / "demo", **short)
+    short = {"batch": 2, "seq_len": 32, "threads": 1, "heldout_limit": 8}
+    out = demo_train.train(tmp_path / "demo", steps=2, **short)
+    main = load_file(str(out / "model.safetensors"))
+    mtp_train.train_mtp(out, steps=2, **short)
     printed = capsys.readouterr().out
     assert "(8 windows of 32)" in printed
-    again = demo_train.train(tmp_path / "again", **short)
+    again = demo_train.train(tmp_path / "again", steps=2, **short)
+    mtp_train.train_mtp(again, steps=2, **short)
     assert (again / "SHA256SUMS").read_text() == (out / "SHA256SUMS").read_text()  # seeded: the same bytes
     assert re.search(r"step 2/2 +loss \d+\.\d+ .*held-out \d+\.\d+", printed), printed
     assert re.search(r"held-out loss \d+\.\d+ -> \d+\.\d+ nats/token", printed), printed
+    assert re.search(r"MTP held-out loss \d+\.\d+ -> \d+\.\d+ nats/token; t\+2 accuracy \d", printed), printed
     recipe = json.loads((out / "demo.json").read_text())
     assert [s for s, _ in recipe["heldout_loss"]] == [0, 2] and recipe["steps"] == 2
+    assert [s for s, _ in recipe["mtp"]["heldout_loss"]] == [0, 2] and recipe["command"].endswith(
+        " --mtp-steps 2"
+    )
     assert demo.verify_checksums(out) == []
+    stored = load_file(str(out / "model.safetensors"))  # the MTP stage added its layer, touched nothing else
+    assert {k for k in stored if k not in main} == {k for k in stored if k.startswith("mtp.0.")} != set()
+    assert all(torch.equal(stored[k], main[k]) for k in main)
     reply = LLM(out).generate(["The"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
     assert len(reply.token_ids) == 3
 
