@@ -93,7 +93,7 @@ class _Batched:
             ta = time.perf_counter()
             bs = self.runner.prepare([ExtendSpec(row, pos, pos + 1)], [token], bundle)
             tb = time.perf_counter()
-            token = int(self.runner.step(bs)[0].argmax())
+            token = int(self.runner.step(bs)[0][0].argmax())  # (logits, streams): row 0
             self.split[0] += tb - ta
             self.split[1] += time.perf_counter() - tb
             self.split[2] += 1

@@ -121,14 +121,15 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The parity checkpoints (dsv4_engine.testing.PARITY_CONFIGS), written once per session."""
+    """The parity checkpoints (dsv4_engine.testing.PARITY_CONFIGS), written once per session, each with
+    a random MTP layer (HF and an engine without speculative decoding skip it)."""
     from dsv4_engine.make_tiny import make_tiny
     from dsv4_engine.testing import PARITY_CONFIGS, one_thread
 
     root = tmp_path_factory.mktemp("dsv4_parity_ckpts")
     with one_thread():
         return {
-            name: make_tiny(root / name, seed=i, overrides=o)
+            name: make_tiny(root / name, seed=i, overrides=o, mtp=True)
             for i, (name, o) in enumerate(PARITY_CONFIGS.items())
         }
 

@@ -94,7 +94,14 @@ class LLMEngine:
             raise
 
     def _build(self, cfg: EngineConfig, tokenizer: object | None) -> None:
-        self.model = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len, self.parallel)
+        self.model = load_model(
+            cfg.model,
+            cfg.dtype,
+            cfg.device,
+            cfg.max_model_len,
+            self.parallel,
+            mtp=cfg.speculative_num_steps > 0,
+        )
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -266,10 +273,12 @@ class LLMEngine:
         first_logprobs: TokenLogprobs | None = None,
         prompt_logprobs: list[TokenLogprobs] | None = None,
         cached_tokens: int = 0,
+        drafts: list[int] | None = None,
     ) -> None:
         """PD decode: the request's state is in `req_idx`'s pages; run it from its first token.
         The logprobs the prefill computed come out with that token, as a colocated server's would,
-        and so does its prefix-cache hit (`cached_tokens`)."""
+        and so does its prefix-cache hit (`cached_tokens`). `drafts`: the prefill's MTP drafts after
+        the first token, which the first decode step verifies when this engine speculates."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not 0 <= first_token < self.config.vocab_size:
@@ -292,6 +301,8 @@ class LLMEngine:
             grammar.advance(seq.grammar, first_token)
         seq.generator = self._generator(sampling_params, generator_state)
         seq.num_cached_tokens = cached_tokens
+        if self.engine_config.speculative_num_steps:
+            seq.draft_token_ids = list(drafts or ())
         first = StepOutput(request_id, [first_token], False, None, cached_tokens=cached_tokens)
         if sampling_params.logprobs is not None and first_logprobs is not None:
             first.logprobs = [first_logprobs]
@@ -342,20 +353,25 @@ class LLMEngine:
             return outputs
         constrained = {c.seq.request_id: c.seq.grammar for c in out.chunks if c.sample and c.seq.grammar}
         masks = self.grammar_backend().start_masks(constrained) if constrained else None
-        sampled = self.runner.run(out, self.scheduler.config.eos_token_ids, masks)
-        for rid in constrained:
-            if rid in sampled:
-                grammar.advance(constrained[rid], sampled[rid])
+        new_tokens = self.runner.run(out, self.scheduler.config.eos_token_ids, masks)
+        for rid in constrained:  # a constrained request never speculates: one token
+            if rid in new_tokens:
+                grammar.advance(constrained[rid], new_tokens[rid][0])
+        first = {rid: tokens[0] for rid, tokens in new_tokens.items()}
         for observe in self.step_observers:
-            observe(out, sampled)
-        finished = {seq.request_id for seq in self.scheduler.postprocess(out, sampled)}
+            observe(out, first)
+        had = {c.seq.request_id: len(c.seq.output_token_ids) for c in out.chunks}
+        finished = {seq.request_id for seq in self.scheduler.postprocess(out, new_tokens)}
         for chunk in out.chunks:
             seq = chunk.seq
             rid = seq.request_id
-            if rid not in sampled or rid not in self.requests:
+            if rid not in new_tokens or rid not in self.requests:
                 continue
             done = rid in finished
-            step = StepOutput(rid, [sampled[rid]], done, seq.finish_reason if done else None)
+            # What postprocess kept: a verify's tokens stop at the one that ends the request.
+            step = StepOutput(
+                rid, seq.output_token_ids[had[rid] :], done, seq.finish_reason if done else None
+            )
             step.cached_tokens = seq.num_cached_tokens or 0
             if seq.params.logprobs is not None and seq.step_logprobs is not None:
                 step.logprobs = [seq.step_logprobs]

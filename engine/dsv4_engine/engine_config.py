@@ -61,6 +61,7 @@ class EngineConfig:
     kernels: bool = True
     prewarm: bool = True
     prefix_cache: bool = True
+    speculative_num_steps: int = 0  # draft tokens per decode step (0: no speculative decoding)
 
     @classmethod
     def build(
@@ -95,6 +96,9 @@ class EngineConfig:
         if kernels is None:
             kernels = os.environ.get(KERNELS_ENV, "1") != "0"
         resolved_device = select_device(device)
+        drafts = asked.num_draft_tokens()
+        if drafts and asked.tp_size > 1:
+            raise ValueError("speculative decoding runs on one rank so far: use --tp-size 1")
         return cls(
             model=Path(model),
             device=resolved_device,
@@ -112,6 +116,7 @@ class EngineConfig:
             kernels=kernels,
             prewarm=asked.prewarm,
             prefix_cache=not asked.disable_radix_cache,
+            speculative_num_steps=drafts,
         )
 
     @property
@@ -127,6 +132,7 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             chunk_size=self.chunked_prefill_size,
             eos_token_ids=eos_token_ids,
+            num_draft_tokens=self.speculative_num_steps,
         )
 
     def runner_options(self) -> dict[str, Any]:
@@ -135,6 +141,7 @@ class EngineConfig:
             "enforce_eager": self.enforce_eager,
             "max_num_seqs": self.max_num_seqs,
             "kernels": self.kernels,
+            "num_draft_tokens": self.speculative_num_steps,
         }
 
     def pool_sizes(self, layout: Dsv4MemoryLayout) -> PoolSizes:

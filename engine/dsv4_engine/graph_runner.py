@@ -122,6 +122,7 @@ class DecodeGraphRunner:
         self._steps: dict[int, Callable[[], torch.Tensor]] = {}
         self._graphs: dict[int, object] = {}
         self._graph_out: dict[int, torch.Tensor] = {}
+        self._graph_streams: dict[int, torch.Tensor] = {}
         if mode == "compiled":
             set_inductor_cache()
             import torch._dynamo as dynamo
@@ -153,6 +154,8 @@ class DecodeGraphRunner:
                 out[f"meta.{bs}.{name}"] = t
         for bs, t in self._graph_out.items():
             out[f"logits.{bs}"] = t
+        for bs, t in self._graph_streams.items():
+            out[f"streams.{bs}"] = t
         return out
 
     # ---- one step -------------------------------------------------------------------------------
@@ -190,11 +193,19 @@ class DecodeGraphRunner:
     ) -> torch.Tensor:
         """Logits `[len(specs), vocab]` of one decode token per request, after `alloc_decode` gave
         `specs` their slots (`bundle`); writes their KV, compressed rows and state there."""
-        return self.step(self.prepare(specs, token_ids, bundle))[: len(specs)]
+        return self.run_with_streams(specs, token_ids, bundle)[0]
 
-    def step(self, bs: int) -> torch.Tensor:
-        """Run bucket `bs` on whatever its buffers hold now (padded rows are inert). Always under
-        inference mode, whatever the caller's grad mode: a compiled step guards on it."""
+    def run_with_streams(
+        self, specs: Sequence[ExtendSpec], token_ids: Sequence[int] | torch.Tensor, bundle: DSV4OutCacheLoc
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run`, and the last layer's streams `[len(specs), hc, hidden]` (what the MTP layer reads)."""
+        logits, streams = self.step(self.prepare(specs, token_ids, bundle))
+        return logits[: len(specs)], streams[: len(specs)]
+
+    def step(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run bucket `bs` on whatever its buffers hold now (padded rows are inert): (logits, the last
+        layer's streams). Always under inference mode, whatever the caller's grad mode: a compiled
+        step guards on it."""
         with torch.inference_mode():  # a capture records no autograd state either
             fn = self._steps.get(bs)
             if fn is None:
@@ -221,7 +232,7 @@ class DecodeGraphRunner:
         self.locs[bs].slots.zero_()
 
     # ---- modes ----------------------------------------------------------------------------------
-    def _eager_fn(self, bs: int) -> Callable[[], torch.Tensor]:
+    def _eager_fn(self, bs: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         model, ids, meta, pools = self.model, self.input_ids[bs], self.buffers.buffers(bs), self.pools
         req_pool, page_size = self.req_pool, self.layout.page_size
         req, pos, valid, locs = self.req[bs], self.pos[bs], self.valid[bs], self.locs[bs]
@@ -232,11 +243,12 @@ class DecodeGraphRunner:
             kernels.fill_decode(meta, req_pool, page_size, req, pos, valid, locs)
             pages = min(self.num_pages.get(bs, full), full) if trim else None
             batch = DecodeBatch(ids, meta, pools, kernels, num_pages=pages, packs=packs)
-            return model.compute_logits(model(batch), kernels)
+            streams = model.model.streams(batch)
+            return model.compute_logits(model.model.head(streams, batch), kernels), streams
 
         return step
 
-    def _build(self, bs: int) -> Callable[[], torch.Tensor]:
+    def _build(self, bs: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         eager = self._eager_fn(bs)
         if self.mode == "eager":
             return eager
@@ -247,11 +259,12 @@ class DecodeGraphRunner:
             if not self.skip_guards:
                 return compiled
 
-            def replay() -> torch.Tensor:
+            def replay() -> tuple[torch.Tensor, torch.Tensor]:
                 if not graph:  # compile (or load from the cache) under full guards
                     return compiled()
                 fn, inputs = graph
-                return fn(*inputs)[0]
+                logits, streams = fn(*inputs)[:2]
+                return logits, streams
 
             return replay
         return self._capture(bs, eager)
@@ -271,7 +284,9 @@ class DecodeGraphRunner:
 
         return backend
 
-    def _capture(self, bs: int, eager: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def _capture(
+        self, bs: int, eager: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         from dsv4_engine.device import graph_api
 
         api = graph_api(self.device)
@@ -287,9 +302,10 @@ class DecodeGraphRunner:
             out = eager()
         self.num_compiles += 1
         self._graphs[bs] = graph
-        self._graph_out[bs] = out
+        self._graph_out[bs] = out[0]
+        self._graph_streams[bs] = out[1]
 
-        def replay() -> torch.Tensor:
+        def replay() -> tuple[torch.Tensor, torch.Tensor]:
             graph.replay()  # type: ignore[attr-defined]
             return out
 

@@ -27,9 +27,11 @@ from dsv4_engine.grammar import PendingMasks
 from dsv4_engine.graph_runner import DECODE_MODES, DecodeGraphRunner, DecodeMode, default_decode_mode
 from dsv4_engine.kernels import KernelSet, choose_kernels
 from dsv4_engine.memory import Dsv4Allocator, DSV4OutCacheLoc, Dsv4TokenToKVPool, ExtendSpec
+from dsv4_engine.memory.out_cache_loc import one_token_steps
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
 from dsv4_engine.sampler import sample, token_logprobs
 from dsv4_engine.scheduler import ScheduledChunk, SchedulerOutput, Sequence
+from dsv4_engine.speculative import DraftCache, Drafter, DraftRow, speculates, verify
 
 # Prompt logprobs are computed this many positions at a time, so a long chunk never holds its whole
 # [chunk, vocab] logits at once.
@@ -46,12 +48,16 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Every rank's forward of one step: the decode rows (one token each, at `spec.prefix_len`),
-    then the prefill chunks; `bundle`: the slots the allocator gave the step, in that order."""
+    """Every rank's forward of one step: the decode rows (one token each, at `spec.prefix_len`; a
+    speculative verify's tokens are one row each, in position order), then the prefill chunks.
+    `decode_bundle`: the decode rows' slots; `bundle`: the slots the allocator gave the whole step
+    (decode chunks first, then the prefill chunks)."""
 
     decode_ids: list[str]
     decode_specs: list[ExtendSpec]
     decode_tokens: list[int]
+    decode_bundle: DSV4OutCacheLoc
+    num_decode_chunks: int
     prefills: list[PrefillChunk]
     bundle: DSV4OutCacheLoc
 
@@ -60,17 +66,18 @@ class StepPlan:
         n_dec = 0
         while n_dec < len(out.chunks) and out.chunks[n_dec].is_decode:
             n_dec += 1
-        decodes, specs = out.chunks[:n_dec], out.specs[:n_dec]
+        decodes = out.chunks[:n_dec]
+        specs, bundle = one_token_steps(out.specs[:n_dec], out.bundle.select(0, n_dec))
         prefills = []
         for c in out.chunks[n_dec:]:
             assert c.seq.req_idx is not None
             prefills.append(PrefillChunk(c.seq.request_id, c.seq.req_idx, c.start, c.token_ids))
         return cls(
-            decode_ids=[c.seq.request_id for c in decodes],
-            decode_specs=list(specs),
-            decode_tokens=[
-                c.seq.all_token_ids[spec.prefix_len] for c, spec in zip(decodes, specs, strict=True)
-            ],
+            decode_ids=[c.seq.request_id for c in decodes for _ in c.token_ids],
+            decode_specs=specs,
+            decode_tokens=[t for c in decodes for t in c.token_ids],
+            decode_bundle=bundle,
+            num_decode_chunks=n_dec,
             prefills=prefills,
             bundle=out.bundle,
         )
@@ -96,9 +103,11 @@ class ModelRunner:
         max_num_seqs: int | None = None,
         decode_mode: DecodeMode | None = None,
         kernels: bool = True,
+        num_draft_tokens: int = 0,
     ) -> None:
         """decode_mode: how `decode` runs (see there); default from `enforce_eager` and the device
-        (`graph_runner.default_decode_mode`)."""
+        (`graph_runner.default_decode_mode`). num_draft_tokens: speculative decoding with the model's
+        MTP layer drafting that many tokens a step (0: off)."""
         self.model = model
         self.kv_pool = kv_pool
         self.allocator = allocator
@@ -106,11 +115,22 @@ class ModelRunner:
         self.decode_mode: DecodeMode = decode_mode or default_decode_mode(self.device, enforce_eager)
         if self.decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {self.decode_mode!r}")
-        self.decode_buckets = buckets_for(max_num_seqs)
+        # A speculative verify runs one decode row per token: the pending one and its drafts.
+        self.decode_buckets = buckets_for(
+            None if max_num_seqs is None else max_num_seqs * (1 + num_draft_tokens)
+        )
         # The ops every step runs (EngineConfig.kernels: the fused CPU kernels where they serve),
         # chosen once; each step's batch carries it to the modules.
         self.kernels = choose_kernels(self.device, kernels)
         self._decode_runner: DecodeGraphRunner | None = None  # built on first use
+        self.drafter: Drafter | None = None
+        if num_draft_tokens:
+            rows = allocator.req_pool.req_to_token.shape[0]
+            dim = model.config.head_dim
+            cache = DraftCache(
+                rows, model.config.sliding_window, num_draft_tokens, dim, model.dtype, self.device
+            )
+            self.drafter = Drafter(model, cache, num_draft_tokens, self.kernels)
         # Rank 0 of a parallel server: where each step goes before its forward (ranks.py).
         self.followers: Followers | None = None
         # Test hook: request id -> digest of the first logits row the runner computed for it (on a PD
@@ -147,14 +167,21 @@ class ModelRunner:
     def forward(self, step: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None, ForwardBatch | None]:
         """Every rank's part of a step: (decode logits `[n_dec, V]` fp32, prefill hidden states,
         their batch); None for a part the step does not have."""
-        decode_logits = self.decode(step) if step.decode_specs else None
+        decode_logits = self.decode(step)[0] if step.decode_specs else None
+        hidden, batch, _ = self.extend(step)
+        return decode_logits, hidden, batch
+
+    def extend(self, step: StepPlan) -> tuple[torch.Tensor | None, ForwardBatch | None, torch.Tensor | None]:
+        """The step's extend forward over its prefill chunks: (final hidden states, the batch, the
+        last layer's streams), or Nones without prefill chunks."""
         if not step.prefills:
-            return decode_logits, None, None
-        n_dec, n = len(step.decode_specs), len(step.decode_specs) + len(step.prefills)
+            return None, None, None
+        n_dec, n = step.num_decode_chunks, step.num_decode_chunks + len(step.prefills)
         batch = self._extend_batch(
             step.prefill_specs(), step.bundle.select(n_dec, n), [c.token_ids for c in step.prefills]
         )
-        return decode_logits, self.model(batch), batch
+        streams = self.model.model.streams(batch)
+        return self.model.model.head(streams, batch), batch, streams
 
     def _extend_batch(
         self, specs: list[ExtendSpec], bundle: DSV4OutCacheLoc, token_ids: list[list[int]]
@@ -165,29 +192,31 @@ class ModelRunner:
             self.kernels,
         )  # fmt: skip
 
-    def decode(self, step: StepPlan) -> torch.Tensor:
+    def decode(self, step: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for the step's decode rows (each adds its token at `spec.prefix_len`);
-        returns logits `[n, V]` (fp32), row i for row i.
+        returns logits `[n, V]` (fp32) and the last layer's streams `[n, hc, hidden]`, row i for
+        row i.
 
         On entry the allocator has already allocated this step: `specs[i]` is row i's
         `prefix_len -> prefix_len + 1`, the step's bundle says where each row writes and the request
         tables (`allocator.req_pool`) map every earlier position to its pool slot. The method writes
         the new token's SWA KV, compressor state and any completed compressed rows there, since
-        later steps read them from the pools.
+        later steps read them from the pools. Rows of one request (a speculative verify) come in
+        position order: each reads what the ones before it wrote.
 
         `self.decode_mode` (a constructor argument) picks the path: `eager` (default with
-        enforce_eager), `compiled` (CPU without it) or `graph` (GPU/NPU without it) run every request
+        enforce_eager), `compiled` (CPU without it) or `graph` (GPU/NPU without it) run every row
         in one forward from the static decode buffers of the batch's bucket
         (`graph_runner.DecodeGraphRunner`, docs/decode.md); `reference` runs the per-request SeqCache
         forward below, which the batched step is tested against, as does a batch above the largest
         bucket.
         """
-        specs, tokens = step.decode_specs, step.decode_tokens
-        bundle = step.bundle.select(0, len(specs))
+        specs, tokens, bundle = step.decode_specs, step.decode_tokens, step.decode_bundle
         if self.decode_mode != "reference" and len(specs) <= self.decode_buckets[-1]:
-            return self.decode_runner().run(specs, tokens, bundle)
+            return self.decode_runner().run_with_streams(specs, tokens, bundle)
         batch = self._extend_batch(specs, bundle, [[t] for t in tokens])
-        return self.model.compute_logits(self.model(batch), self.kernels)
+        streams = self.model.model.streams(batch)
+        return self.model.compute_logits(self.model.model.head(streams, batch), self.kernels), streams
 
     def _probe(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         import hashlib
@@ -202,35 +231,65 @@ class ModelRunner:
     @torch.inference_mode()
     def run(
         self, out: SchedulerOutput, eos_token_ids: Collection[int] = (), grammar: PendingMasks | None = None
-    ) -> dict[str, int]:
-        """Forward the step and sample: request id -> next token, for every chunk with sample=True.
-        `eos_token_ids`: what `min_tokens` masks besides a request's stop ids. A request asking for
-        logprobs gets its sampled token's in `seq.step_logprobs` (raw logits, before any penalty).
-        `grammar`: the constrained requests' masks, computed while the forward runs."""
+    ) -> dict[str, list[int]]:
+        """Forward the step and sample: request id -> its new tokens, for every chunk with
+        sample=True: one, or a speculative verify's kept drafts and one more. `eos_token_ids`: what
+        `min_tokens` masks besides a request's stop ids. A request asking for logprobs gets its
+        sampled token's in `seq.step_logprobs` (raw logits, before any penalty). `grammar`: the
+        constrained requests' masks, computed while the forward runs. With a drafter, every request
+        that speculates then gets its next drafts in `seq.draft_token_ids`."""
         step = StepPlan.of(out)
         if self.followers is not None:  # the server's other ranks run the same forwards
             self.followers.send(self.allocator.take_journal(), step)
-        decode_logits, hidden, batch = self.forward(step)
-        n_dec = len(step.decode_specs)
-        sampled_chunks: list[ScheduledChunk] = []
-        logits: list[torch.Tensor] = []
-        if decode_logits is not None:
-            logits.append(decode_logits)
-            sampled_chunks += out.chunks[:n_dec]
-        if hidden is not None and batch is not None:
-            prefills = out.chunks[n_dec:]
-            for c, s in zip(prefills, batch.seqs, strict=True):
+        logits: dict[int, torch.Tensor] = {}  # chunk index -> logits of its rows that need them
+        streams: dict[int, torch.Tensor] = {}  # chunk index -> its rows' last-layer streams
+        if step.decode_specs:
+            decode_logits, decode_streams = self.decode(step)
+            lo = 0
+            for i, c in enumerate(out.chunks[: step.num_decode_chunks]):
+                hi = lo + len(c.token_ids)
+                logits[i], streams[i] = decode_logits[lo:hi], decode_streams[lo:hi]
+                lo = hi
+        hidden, batch, extend_streams = self.extend(step)
+        if hidden is not None and batch is not None and extend_streams is not None:
+            rows: list[torch.Tensor] = []  # the hidden rows whose logits are needed, in one lm_head call
+            needs: list[tuple[int, int]] = []
+            for i, (c, s) in enumerate(zip(out.chunks[step.num_decode_chunks :], batch.seqs, strict=True)):
+                i += step.num_decode_chunks
                 if c.seq.params.prompt_logprobs is not None:  # only requests that ask pay for every row
-                    _prompt_logprobs(self.model, self.kernels, c, hidden[s.offset : s.offset + s.length])
-            last = [s.offset + s.length - 1 for c, s in zip(prefills, batch.seqs, strict=True) if c.sample]
-            if last:
-                rows = torch.tensor(last, dtype=torch.long, device=self.device)
-                logits.append(self.model.compute_logits(hidden.index_select(0, rows), self.kernels))
-            sampled_chunks += [c for c in prefills if c.sample]
-        if not sampled_chunks:
-            return {}
+                    _prompt_logprobs(self.model, self.kernels, c, hidden[s.rows])
+                streams[i] = extend_streams[s.rows]
+                if c.drafts or c.sample:  # a verify (reference mode) needs every row, a sample its last
+                    rows.append(hidden[s.rows] if c.drafts else hidden[s.rows.stop - 1 : s.rows.stop])
+                    needs.append((i, len(rows[-1])))
+            if rows:
+                projected = self.model.compute_logits(torch.cat(rows), self.kernels)
+                for (i, _), part in zip(needs, projected.split([n for _, n in needs]), strict=True):
+                    logits[i] = part
+        new_tokens: dict[str, list[int]] = {}
+        sampled: list[ScheduledChunk] = []
+        for i, c in enumerate(out.chunks):
+            if c.drafts:
+                new_tokens[c.seq.request_id] = verify(logits[i], c.drafts, c.seq.params, c.seq.generator)  # type: ignore[arg-type]
+            elif c.sample:
+                sampled.append(c)
+        if sampled:
+            last = torch.cat([logits[i][-1:] for i, c in enumerate(out.chunks) if c.sample and not c.drafts])
+            self._sample(sampled, last, eos_token_ids, grammar, new_tokens)
+        if self.drafter is not None:
+            self._draft([(c, streams[i]) for i, c in enumerate(out.chunks)], new_tokens)
+        return new_tokens
+
+    def _sample(
+        self,
+        sampled_chunks: list[ScheduledChunk],
+        all_logits: torch.Tensor,
+        eos_token_ids: Collection[int],
+        grammar: PendingMasks | None,
+        new_tokens: dict[str, list[int]],
+    ) -> None:
+        """One token for each chunk from its logits row (penalties, grammar, logprobs)."""
         seqs = [c.seq for c in sampled_chunks]
-        all_logits = torch.cat(logits)
         if self.logit_probe is not None:
             self._probe(seqs, all_logits)
         masks = grammar.wait([s.request_id for s in seqs], tuple(eos_token_ids)) if grammar else None
@@ -250,7 +309,30 @@ class ModelRunner:
             entries = token_logprobs(all_logits.index_select(0, rows), [tokens[i] for i in want], ks)
             for i, entry in zip(want, entries, strict=True):
                 seqs[i].step_logprobs = entry
-        return {s.request_id: t for s, t in zip(seqs, tokens, strict=True)}
+        new_tokens.update({s.request_id: [t] for s, t in zip(seqs, tokens, strict=True)})
+
+    def _draft(
+        self, parts: list[tuple[ScheduledChunk, torch.Tensor]], new_tokens: dict[str, list[int]]
+    ) -> None:
+        """The MTP layer over every speculating request's positions of this step (chunk, its
+        streams): what the target computed (for a verify, its kept drafts and the token after them),
+        each with the token after it; drafts for the next step of those that sampled."""
+        assert self.drafter is not None
+        rows = []
+        for c, streams in parts:
+            seq = c.seq
+            if not speculates(seq.params) or seq.req_idx is None:
+                continue
+            got = new_tokens.get(seq.request_id, [])
+            n = len(got) if c.drafts else len(streams)  # a verify computed its kept drafts and one more
+            following = [*seq.all_token_ids, *got][c.start + 1 : c.start + n + 1]
+            if len(following) < n:  # an unfinished prefill's chunk ends where its prompt does not
+                continue
+            rows.append(DraftRow(seq.request_id, seq.req_idx, c.start, streams[:n], following, c.sample))
+        drafts = self.drafter.propose(rows)
+        for c, _ in parts:
+            if c.sample:
+                c.seq.draft_token_ids = drafts.get(c.seq.request_id, [])
 
 
 def _prompt_logprobs(

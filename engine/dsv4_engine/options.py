@@ -34,9 +34,25 @@ DEFAULT_CHUNK_PAGES = 1
 DEFAULT_MEMORY_FRACTION = {"cpu": 0.25}
 DEFAULT_DEVICE_MEMORY_FRACTION = 0.8
 UNLIMITED_CHUNK = -1  # chunked_prefill_size: chunks limited by the token budget only
+# Draft tokens per step when --speculative-algorithm is given alone (SGLang's DeepSeek MTP recipes
+# run 1 to 3 steps with top-1 drafts).
+DEFAULT_SPECULATIVE_NUM_STEPS = 3
+# The draft model each --speculative-algorithm name means: the checkpoint's MTP layer (SGLang calls
+# DeepSeek's MTP "NEXTN" and runs it through its EAGLE worker).
+SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE", "MTP")
 
 
 # ---- a flag's text -> its value (argparse's `type`; ArgumentTypeError becomes a usage error) --------
+def at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {text}")
+        return value
+
+    return parse
+
+
 def positive(kind: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         value = kind(text)
@@ -55,6 +71,15 @@ def chunk_size(text: str) -> int:
 
 
 _IEC = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def speculative_algorithm(text: str) -> str:
+    name = text.strip().upper()
+    if name not in SPECULATIVE_ALGORITHMS:
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(SPECULATIVE_ALGORITHMS)} (the checkpoint's MTP layer), got {text!r}"
+        )
+    return name
 
 
 def byte_count(text: str) -> int:
@@ -181,6 +206,23 @@ class EngineOptions:
         help="no prefix cache: every request prefills its whole prompt (default: a request resumes "
         "from the longest cached page-aligned prefix of its prompt, SGLang's radix cache)",
     )
+    speculative_algorithm: str | None = option(
+        None,
+        "--speculative-algorithm",  # SGLang's spelling
+        parse=speculative_algorithm,
+        help="speculative decoding with the checkpoint's MTP layer as the draft model: NEXTN (SGLang's "
+        f"name; EAGLE and MTP mean the same here); alone it drafts {DEFAULT_SPECULATIVE_NUM_STEPS} "
+        "tokens a step (default: off)",
+    )
+    speculative_num_steps: int | None = option(
+        None,
+        "--speculative-num-steps",  # SGLang's spelling
+        minimum=0,
+        parse=at_least(0),
+        help="draft tokens the MTP layer proposes per decode step, all verified by one forward; "
+        "0 turns speculative decoding off (default: off, or "
+        f"{DEFAULT_SPECULATIVE_NUM_STEPS} with --speculative-algorithm)",
+    )
     kernels: bool | None = option(
         None,
         help="whether this engine uses the fused kernels (dsv4_engine.kernels: the CPU kernels on CPU, "
@@ -200,6 +242,18 @@ class EngineOptions:
                 raise ValueError(f"{f.name} must be >= {least}, got {value}")
         if self.tp_size % self.ep_size:
             raise ValueError(f"ep_size {self.ep_size} must divide tp_size {self.tp_size}")
+        algorithm = self.speculative_algorithm
+        if algorithm is not None and algorithm.strip().upper() not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)} (the "
+                f"checkpoint's MTP layer), got {algorithm!r}"
+            )
+
+    def num_draft_tokens(self) -> int:
+        """Draft tokens per step: 0 when speculative decoding is off."""
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        return DEFAULT_SPECULATIVE_NUM_STEPS if self.speculative_algorithm is not None else 0
 
     def explicit(self) -> dict[str, Any]:
         """The options set to something other than their default: what to pass on to an engine."""

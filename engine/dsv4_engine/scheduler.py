@@ -19,6 +19,10 @@ Each step:
    request resumes from there instead of prefilling the shared part again.
 3. One `alloc_extend` for the whole step returns the bundle the forward writes to.
 
+With speculative decoding a decode carries the request's draft tokens (`Sequence.draft_token_ids`):
+its chunk runs the pending token and the drafts, allocated with `keep_len` one past the pending
+token, and `postprocess` cuts the row back to what was accepted (`Dsv4Allocator.truncate`).
+
 The caller runs the forward, samples a token for every chunk with `sample=True`, and hands them to
 `postprocess`, which appends tokens, finishes requests (EOS / stop ids / max_tokens / max_model_len)
 and frees them through the allocator's one free path.
@@ -27,6 +31,7 @@ and frees them through the allocator's one free path.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .memory.allocator import FAMILIES, Dsv4Allocator
@@ -57,6 +62,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     chunk_size: int | None = None  # per-request cap on a prefill chunk; None: the token budget only
     eos_token_ids: tuple[int, ...] = ()
+    num_draft_tokens: int = 0  # speculative decoding: drafts a decode may verify
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.page_size:
@@ -82,6 +88,10 @@ class Scheduler:
         self.counters["forwarded_tokens_total"] = 0
         self.counters["prefix_cache_queries"] = 0  # prompt tokens of admitted requests (vLLM's counters)
         self.counters["prefix_cache_hits"] = 0  # of which resumed from the cache
+        # Speculative decoding (vLLM's spec_decode counters): verify steps with drafts, drafts, kept.
+        self.counters["spec_decode_num_drafts"] = 0
+        self.counters["spec_decode_num_draft_tokens"] = 0
+        self.counters["spec_decode_num_accepted_tokens"] = 0
 
     # ---- requests ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -153,6 +163,23 @@ class Scheduler:
         assert seq.req_idx is not None
         return ExtendSpec(seq.req_idx, seq.num_computed, end)
 
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The drafts a decode of seq verifies: no more than the budget, the context or the tokens it
+        may still emit leave room for (the last emitted token is always the target's own)."""
+        room = min(
+            self.config.num_draft_tokens,
+            budget - 1,
+            self.config.max_model_len - seq.num_tokens,
+            seq.params.max_tokens - len(seq.output_token_ids) - 1,
+        )
+        return seq.draft_token_ids[: max(room, 0)]
+
+    def _decode_spec(self, seq: Sequence, drafts: list[int]) -> ExtendSpec:
+        """The pending token (and drafts): a verify may be cut back to its first token."""
+        assert seq.req_idx is not None
+        end = seq.num_tokens + len(drafts)
+        return ExtendSpec(seq.req_idx, seq.num_computed, end, seq.num_computed + 1 if drafts else None)
+
     def _fits(self, planned: dict[str, int], spec: ExtendSpec) -> dict[str, int] | None:
         need = self.allocator.pages_needed([spec])
         total = {f: planned[f] + need[f] for f in FAMILIES}
@@ -170,6 +197,7 @@ class Scheduler:
         if seq.req_idx is not None:
             self.allocator.free(seq.req_idx)  # the one free path: every page of every family
         seq.req_idx, seq.num_computed, seq.status = None, 0, SeqStatus.WAITING
+        seq.draft_token_ids = []
         self.waiting.appendleft(seq)
         self.counters["num_preemptions"] += 1
 
@@ -200,14 +228,19 @@ class Scheduler:
         for seq in [s for s in self.running if s.num_pending == 1]:
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue
+            drafts = self._drafts(seq, budget)
             while True:
-                total = self._fits(planned, self._spec(seq, seq.num_tokens))
+                spec = self._decode_spec(seq, drafts)
+                total = self._fits(planned, spec)
                 if total is not None:
                     planned = total
-                    chunks.append(ScheduledChunk(seq, seq.num_computed, seq.num_tokens))
-                    specs.append(self._spec(seq, seq.num_tokens))
-                    budget -= 1
+                    chunks.append(ScheduledChunk(seq, seq.num_computed, spec.seq_len, drafts))
+                    specs.append(spec)
+                    budget -= spec.seq_len - spec.prefix_len
                     break
+                if drafts:  # short of pages: verify nothing rather than preempt anyone
+                    drafts = []
+                    continue
                 victims = self._victims({c.seq.request_id for c in chunks} | {seq.request_id})
                 victim = victims[-1] if victims else seq
                 if victim is seq and seq.req_idx is not None and self.allocator.pinned(seq.req_idx):
@@ -336,30 +369,43 @@ class Scheduler:
         return True
 
     # ---- after the forward ---------------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Advance every scheduled chunk; `sampled` maps request id -> token for chunks with
-        sample=True (requests aborted meanwhile are skipped). Returns the requests that finished."""
+    def postprocess(self, out: SchedulerOutput, sampled: Mapping[str, int | list[int]]) -> list[Sequence]:
+        """Advance every scheduled chunk; `sampled` maps request id -> token (or a verify's tokens:
+        its kept drafts, then the target's) for chunks with sample=True (requests aborted meanwhile
+        are skipped). Returns the requests that finished."""
         finished = []
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.num_computed = chunk.end
             seq.num_forwarded += chunk.end - chunk.start
             self.counters["forwarded_tokens_total"] += chunk.end - chunk.start
+            if not chunk.sample:
+                seq.num_computed = chunk.end
+                self._offer_to_cache(seq, chunk.end)
+                continue
+            got = sampled[seq.request_id]
+            tokens = [got] if isinstance(got, int) else got
+            seq.num_computed = chunk.end - len(chunk.drafts)
+            if chunk.drafts:  # the kept drafts are computed; the rejected ones are cut off the row
+                seq.num_computed += len(tokens) - 1
+                assert seq.req_idx is not None
+                self.allocator.truncate(seq.req_idx, seq.num_computed)
+                self.counters["spec_decode_num_drafts"] += 1
+                self.counters["spec_decode_num_draft_tokens"] += len(chunk.drafts)
+                self.counters["spec_decode_num_accepted_tokens"] += len(tokens) - 1
             if not chunk.is_decode:
                 self._offer_to_cache(seq, chunk.end)
-            if not chunk.sample:
-                continue
             if not seq.prompt_counted:
                 seq.prompt_counted = True
                 self.counters["prompt_tokens_total"] += len(seq.prompt_token_ids)
-            token = sampled[seq.request_id]
-            seq.output_token_ids.append(token)
-            self.counters["generation_tokens_total"] += 1
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                finished.append(self._finish(seq, reason))
+            for token in tokens:
+                seq.output_token_ids.append(token)
+                self.counters["generation_tokens_total"] += 1
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    finished.append(self._finish(seq, reason))
+                    break
         return finished
 
     def _offer_to_cache(self, seq: Sequence, end: int) -> None:

@@ -42,6 +42,9 @@ class Sequence:
     # and the positions where its chunks end so the cache can keep a snapshot there.
     num_cached_tokens: int | None = None
     cache_cuts: set[int] = field(default_factory=set)
+    # Speculative decoding: the tokens the MTP layer drafted after the last step, for the positions
+    # after the last known token (the next step verifies them).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -59,18 +62,22 @@ class Sequence:
 @dataclass
 class ScheduledChunk:
     """Positions [start, end) of seq; sample: the chunk reaches the last known token, so the
-    forward yields the next one (fixed when scheduled)."""
+    forward yields the next one (fixed when scheduled). drafts: a speculative verify's draft tokens,
+    the chunk's last positions (past the known tokens)."""
 
     seq: Sequence
     start: int
     end: int
+    drafts: list[int] = field(default_factory=list)
     sample: bool = field(init=False)
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sample = self.end == self.seq.num_tokens
-        self.token_ids = self.seq.all_token_ids[self.start : self.end]
+        known = self.end - len(self.drafts)
+        self.sample = known == self.seq.num_tokens
+        self.token_ids = self.seq.all_token_ids[self.start : known] + self.drafts
 
     @property
     def is_decode(self) -> bool:
-        return self.end - self.start == 1 and self.sample and self.start > 0
+        """The request's next token (one known token at its position, maybe drafts after it)."""
+        return self.end - len(self.drafts) - self.start == 1 and self.sample and self.start > 0

@@ -134,6 +134,8 @@ def serve_args(
         "--grace-period", str(eng.grace_period_seconds),
         *([] if eng.enforce_eager else ["--no-enforce-eager"]),
         *([] if eng.prefix_cache else ["--disable-radix-cache"]),
+        # Both roles: the decode drafts, the prefill's MTP layer makes the first step's drafts.
+        *(["--speculative-num-steps", str(eng.speculative_num_steps)] if eng.speculative_num_steps else []),
         "--disaggregation-mode", role,
         "--transfer-protocol", eng.transfer_protocol,
         "--tp-size", str(rs.tensor_parallel_size),

@@ -149,7 +149,7 @@ def wait_healthy(*servers: Server) -> None:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from dsv4_engine.make_tiny import make_tiny
 
-    return make_tiny(tmp_path_factory.mktemp("pd-ckpt") / "tiny", seed=0)
+    return make_tiny(tmp_path_factory.mktemp("pd-ckpt") / "tiny", seed=0, mtp=True)  # test_pd_speculative
 
 
 @pytest.fixture(scope="module")

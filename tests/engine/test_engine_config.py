@@ -52,7 +52,29 @@ def test_the_scheduler_and_runner_read_their_part() -> None:
         128, 4096, 8, 256, (1,),
     )  # fmt: skip
     assert sched.max_num_batched_tokens == cfg.max_num_batched_tokens
-    assert cfg.runner_options() == {"enforce_eager": False, "max_num_seqs": 8, "kernels": False}
+    assert sched.num_draft_tokens == 0
+    assert cfg.runner_options() == {
+        "enforce_eager": False, "max_num_seqs": 8, "kernels": False, "num_draft_tokens": 0,
+    }  # fmt: skip
+
+
+def test_speculative_decoding_options() -> None:
+    """--speculative-num-steps alone, --speculative-algorithm alone (SGLang's default recipe: 3),
+    both (the steps win), 0 (off), and what the engine refuses, naming the option."""
+    assert build().speculative_num_steps == 0
+    assert build(speculative_num_steps=2).speculative_num_steps == 2
+    assert build(speculative_algorithm="NEXTN").speculative_num_steps == 3
+    assert build(speculative_algorithm="EAGLE", speculative_num_steps=1).speculative_num_steps == 1
+    assert build(speculative_algorithm="MTP", speculative_num_steps=0).speculative_num_steps == 0
+    cfg = build(speculative_num_steps=2)
+    assert cfg.scheduler_config(()).num_draft_tokens == cfg.runner_options()["num_draft_tokens"] == 2
+    with pytest.raises(ValueError, match="speculative_num_steps must be >= 0"):
+        build(speculative_num_steps=-1)
+    with pytest.raises(ValueError, match="NEXTN, EAGLE, MTP"):
+        build(speculative_algorithm="medusa")
+    assert build(speculative_algorithm="nextn").speculative_num_steps == 3
+    with pytest.raises(ValueError, match="one rank so far"):
+        build(speculative_num_steps=2, tp_size=2)
 
 
 def test_kernels_default_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

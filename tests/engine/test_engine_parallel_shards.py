@@ -23,7 +23,7 @@ from dsv4_engine.testing import dense_cache, one_thread
 SIZES = [(2, 1), (4, 1), (2, 2), (4, 2), (4, 4)]
 
 
-@pytest.fixture(scope="module", params=["none", "fp8"])
+@pytest.fixture(scope="module", params=["none", "fp8", "w8a8"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     with one_thread():
         return make_tiny(tmp_path_factory.mktemp("shards") / request.param, seed=3, quant=request.param)

@@ -210,6 +210,18 @@ def test_compiled_decode_keeps_its_artefacts_and_the_prefix_cache_can_be_off(wit
             assert env_of(c)["TORCHINDUCTOR_CACHE_DIR"] == f"{mounts['compile-cache']}/inductor"
 
 
+def test_speculative_decoding_reaches_both_roles(with_spec: Make) -> None:
+    """engine.speculativeNumSteps: `--speculative-num-steps N` on prefill (its MTP layer drafts the
+    first decode step) and decode, as the real `dsv4 serve` parser reads it; 0 passes nothing."""
+    for steps in (0, 3):
+        objs = objects(with_spec(engine={"speculativeNumSteps": steps}))
+        for role in ("prefill", "decode"):
+            c = container(find(objs, "StatefulSet", role))
+            parsed = serve_parser().parse_args(c["args"])
+            assert (parsed.speculative_num_steps or 0) == steps
+            assert ("--speculative-num-steps" in c["args"]) == (steps > 0)
+
+
 def test_cpu_example_has_no_ascend_settings() -> None:
     objs = objects(yaml.safe_load((ROOT / "examples" / "cpu-tiny.yaml").read_text()))
     for role in ("prefill", "decode"):

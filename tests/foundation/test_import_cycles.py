@@ -261,7 +261,7 @@ ENGINE_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("config", "device", "options", "rope", "quant", "ckpt_names", "ckpt_plan",
               "sampling_params", "tokenizer", "parallel.groups")),
     ("compute", ("kernels", "attention", "model", "memory", "parallel", "loader")),
-    ("step", ("sampler", "grammar", "sequence", "scheduler", "graph_runner", "model_runner")),
+    ("step", ("sampler", "grammar", "sequence", "scheduler", "graph_runner", "speculative", "model_runner")),
     ("engine", ("engine_config", "engine", "ranks", "llm")),
     ("disagg", ("disagg",)),
     ("serving", ("server", "cli", "make_tiny", "demo", "demo_train", "testing", "")),

@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dsv4_engine.server.metrics import ServerMetrics, kv_cache_usage, prefix_cache_hit_rate
+from dsv4_engine.server.metrics import (
+    ServerMetrics,
+    kv_cache_usage,
+    prefix_cache_hit_rate,
+    spec_decode_acceptance_rate,
+    spec_decode_mean_acceptance_length,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
 
@@ -37,6 +43,9 @@ def rendered(snapshot: dict[str, float], role: str = "decode") -> ServerMetrics:
 def test_vllm_series_carry_the_same_values_with_model_and_role(llm: Any) -> None:
     snap = {**llm.engine.metrics(), "num_running": 3, "num_waiting": 2, "prompt_tokens_total": 41}
     snap.update(prefix_cache_queries=40, prefix_cache_hits=10)
+    snap.update(
+        spec_decode_num_drafts=10, spec_decode_num_draft_tokens=30, spec_decode_num_accepted_tokens=12
+    )
     got = samples(rendered(snap).render().decode())
     extra = (("model_name", "tiny"), ("role", "decode"))
     pairs = {
@@ -64,11 +73,17 @@ def test_vllm_series_carry_the_same_values_with_model_and_role(llm: Any) -> None
         ("dsv4_preemptions_total", "vllm:num_preemptions_total"),
         ("dsv4_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
         ("dsv4_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+        ("dsv4_spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts_total"),
+        ("dsv4_spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
+        ("dsv4_spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"),
     ):
         assert got[(ours, ())] == got[(theirs, extra)], theirs
     assert got[("vllm:num_requests_running", extra)] == 3
     assert got[("vllm:prefix_cache_hits_total", extra)] == 10
     assert got[("dsv4_prefix_cache_hit_rate", ())] == 0.25
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", extra)] == 12
+    assert got[("dsv4_spec_decode_acceptance_rate", ())] == 0.4
+    assert got[("dsv4_spec_decode_mean_acceptance_length", ())] == 2.2
     usage = got[("vllm:kv_cache_usage_perc", extra)]
     assert usage == got[("vllm:gpu_cache_usage_perc", extra)] == kv_cache_usage(snap)
 
@@ -76,6 +91,18 @@ def test_vllm_series_carry_the_same_values_with_model_and_role(llm: Any) -> None
 def test_prefix_cache_hit_rate_is_hits_over_queries() -> None:
     assert prefix_cache_hit_rate({"prefix_cache_queries": 8.0, "prefix_cache_hits": 2.0}) == 0.25
     assert prefix_cache_hit_rate({}) == 0.0  # no prompt admitted yet: 0, not a division by zero
+
+
+def test_spec_decode_gauges_are_accepted_over_drafted_and_one_plus_accepted_per_step() -> None:
+    snap = {
+        "spec_decode_num_drafts": 4.0,
+        "spec_decode_num_draft_tokens": 8.0,
+        "spec_decode_num_accepted_tokens": 6.0,
+    }
+    assert spec_decode_acceptance_rate(snap) == 0.75
+    assert spec_decode_mean_acceptance_length(snap) == 2.5  # the target's token plus 1.5 kept drafts a step
+    # Nothing drafted yet (or speculation off): 0, not a division by zero.
+    assert spec_decode_acceptance_rate({}) == spec_decode_mean_acceptance_length({}) == 0.0
 
 
 def test_kv_usage_is_the_fullest_page_family() -> None:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # annotations only: importing the contracts pulls in neither 
     import torch
     from prometheus_client import Counter, Histogram
 
+    from dsv4_engine.config import Dsv4Config
     from dsv4_engine.disagg.faults import Hold
     from dsv4_engine.disagg.protocol import PdTarget
     from dsv4_engine.disagg.transfer import Entries
@@ -104,6 +105,7 @@ class PdEngine(Protocol):
     allocator: Dsv4Allocator  # rows pinned under a write (prefill), pages free and growth (decode)
     scheduler: Scheduler  # the running requests (decode admission's headroom)
     step_observers: list[StepObserver]
+    config: Dsv4Config  # the model's (a transferred draft must be one of its token ids)
 
     def payloads(
         self, req_idx: int, seq_len: int, types: Collection[StateType] | None = None
@@ -132,6 +134,8 @@ class PdEngine(Protocol):
         *,
         first_logprobs: TokenLogprobs | None = None,
         prompt_logprobs: list[TokenLogprobs] | None = None,
+        cached_tokens: int = 0,
+        drafts: list[int] | None = None,
     ) -> None:
         """Decode: the row's pages hold the request's state; run it from its first token."""
         ...

@@ -145,6 +145,7 @@ def create_bootstrap_app(rooms: PrefillRooms, *, rank: int = 0) -> FastAPI:
                 "staged": r.staged,
                 "logprobs": r.logprobs,
                 "cached_tokens": r.cached_tokens,
+                "draft_token_ids": r.draft_token_ids,
             }
         )
 

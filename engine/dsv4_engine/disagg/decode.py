@@ -43,6 +43,7 @@ from dsv4_engine.disagg.protocol import (
     PdError,
     PdTarget,
     read_cached_tokens,
+    read_draft_tokens,
     read_logprobs,
     register_state,
     stage_segments,
@@ -178,10 +179,11 @@ class DecodeReceiver:
             token, state = unpack_aux(self.aux[req_idx])
             first, prompt = read_logprobs(answer.get("logprobs"), params, prompt_ids, token)
             cached = read_cached_tokens(answer.get("cached_tokens"), len(prompt_ids))
+            drafts = read_draft_tokens(answer.get("draft_token_ids"), self.engine.config.vocab_size)
             args = (request_id, prompt_ids, params, req_idx, token, state)
             await self.bridge.run(
                 lambda e: e.admit_transferred(
-                    *args, first_logprobs=first, prompt_logprobs=prompt, cached_tokens=cached
+                    *args, first_logprobs=first, prompt_logprobs=prompt, cached_tokens=cached, drafts=drafts
                 )
             )
             self.reserved.pop(req_idx, None)

@@ -117,6 +117,7 @@ class ChunkSender:
             slot = self.aux[seq.req_idx]
             pack_aux(slot, token, seq.generator)
             room.cached_tokens = seq.num_cached_tokens or 0
+            room.draft_token_ids = list(seq.draft_token_ids)
             room.logprobs = logprobs_body(
                 seq.step_logprobs if seq.params.logprobs is not None else None,
                 list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 AUX_BYTES = 8192
 _AUX_HEAD = struct.Struct("<qq")
 MAX_ROOM = 2**64
+MAX_DRAFT_TOKENS = 64  # more drafts than any --speculative-num-steps worth running
 
 
 class RoomStatus(enum.IntEnum):
@@ -230,6 +231,20 @@ def read_cached_tokens(value: object, prompt_len: int) -> int:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < max(prompt_len, 1):
         raise PdError("payload_mismatch", f"cached_tokens {value!r} does not fit a prompt of {prompt_len}")
+    return value
+
+
+def read_draft_tokens(value: object, vocab_size: int) -> list[int]:
+    """The prefill's MTP drafts for the tokens after the first (none from a prefill that does not
+    speculate); anything but a short list of token ids fails the request."""
+    if value is None:
+        return []
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_DRAFT_TOKENS
+        or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in value)
+    ):
+        raise PdError("payload_mismatch", f"draft_token_ids {value!r} are not token ids of this model")
     return value
 
 

@@ -55,6 +55,7 @@ class Room:
     staged: list[tuple[str, int, int]] = field(default_factory=list)  # (type, lo, hi) in span order
     logprobs: dict[str, Any] | None = None  # protocol.logprobs_body, sent with the transfer's answer
     cached_tokens: int = 0  # prompt tokens the prefill resumed from its prefix cache (for usage)
+    draft_token_ids: list[int] = field(default_factory=list)  # its MTP layer's drafts after the first token
     # progress: the worker's
     writing: bool = False  # a write of this room is in the transport right now
     late: int = 0  # writes that abandoned entries Mooncake may still move (into the decode's pages)

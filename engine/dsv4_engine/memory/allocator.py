@@ -39,6 +39,7 @@ from .req_pages import (
     bundle,
     hold_plan,
     plan_step,
+    plan_truncate,
     rows,
     slots,
 )
@@ -94,6 +95,8 @@ class Dsv4Allocator:
                 self.alloc_extend(*args)
             elif name == "alloc_prealloc":
                 self.alloc_prealloc(*args)
+            elif name == "truncate":
+                self.truncate(*args)
             elif name == "free":
                 self.free(*args)
             elif name == "match_prefix":
@@ -252,6 +255,34 @@ class Dsv4Allocator:
         self._apply(ExtendSpec(req_idx, 0, seq_len), Plan(free=empty, need=need), writes)
         writes.flush()
         self._log("alloc_prealloc", req_idx, seq_len)
+
+    def truncate(self, req_idx: int, seq_len: int) -> None:
+        """Cut a row back to its first seq_len positions (speculative decoding: the drafts its verify
+        step rejected): the pages wholly past them go back, and every table entry of a later
+        position returns to the sentinel, so the row reads as if it had never gone further. The step
+        that wrote past seq_len was allocated with `keep_len <= seq_len`, so the compressor state of
+        seq_len's tail is all there, and its watermarks never passed what seq_len still reads."""
+        self._check_row(req_idx)
+        r = self._reqs.get(req_idx)
+        if r is None or r.seq_len == seq_len:
+            return
+        free = plan_truncate(r, seq_len, self.geometry)
+        pool, p, old = self.req_pool, self.page_size, r.seq_len
+        tables = self._paged_tables()
+        for fam, pages in free.items():
+            if fam == "full":
+                del r.full[len(r.full) - len(pages) :]
+            else:
+                held = getattr(r, fam)
+                for k, _ in pages:
+                    del held[k]
+                    tables[fam][req_idx, k * p : (k + 1) * p] = 0
+            self.pools[fam].free([pg for _, pg in pages])
+        pool.req_to_token[req_idx, seq_len:old] = 0
+        for ratio, table in ((4, pool.req_to_token_c4), (128, pool.req_to_token_c128)):
+            table[req_idx, seq_len // ratio : old // ratio] = 0
+        r.seq_len = seq_len
+        self._log("truncate", req_idx, seq_len)
 
     def _paged_tables(self) -> dict[str, torch.Tensor]:
         pool = self.req_pool

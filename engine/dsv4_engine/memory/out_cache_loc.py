@@ -10,9 +10,14 @@ import torch
 
 @dataclass(frozen=True)
 class ExtendSpec:
+    """One request's step `prefix_len -> seq_len`. keep_len: the shortest length the step may be
+    cut back to afterwards (`Dsv4Allocator.truncate`; a speculative verify keeps at least its first
+    token): the step also writes the compressor state of that length's tail. None: seq_len."""
+
     req_idx: int
     prefix_len: int
     seq_len: int
+    keep_len: int | None = None
 
 
 @dataclass
@@ -61,3 +66,33 @@ class DSV4OutCacheLoc:
             )
         ]
         return DSV4OutCacheLoc(*tensors, *counts)
+
+
+def one_token_steps(
+    specs: list[ExtendSpec], bundle: DSV4OutCacheLoc
+) -> tuple[list[ExtendSpec], DSV4OutCacheLoc]:
+    """A step of a few tokens per request (a speculative verify) as one-token steps in position
+    order, with the same slots: what the batched decode step runs. A decode writes every pool before
+    it reads one, row after row, so a token reads the state its request's earlier tokens wrote in the
+    same step. Each block row goes to the token that completes it, each state row to its position.
+    keep_len carries over."""
+    steps: list[ExtendSpec] = []
+    counts: list[list[int]] = [[], [], [], [], []]
+    for i, s in enumerate(specs):
+        lo4, lo128 = s.seq_len - bundle.c4_state_counts[i], s.seq_len - bundle.c128_state_counts[i]
+        for p in range(s.prefix_len, s.seq_len):
+            steps.append(ExtendSpec(s.req_idx, p, p + 1, s.keep_len))
+            counts[0].append(1)
+            counts[1].append(int((p + 1) % 4 == 0))
+            counts[2].append(int((p + 1) % 128 == 0))
+            counts[3].append(int(p >= lo4))
+            counts[4].append(int(p >= lo128))
+    tensors = (
+        bundle.out_full_loc,
+        bundle.out_swa_loc,
+        bundle.out_c4_loc,
+        bundle.out_c128_loc,
+        bundle.out_c4_state_loc,
+        bundle.out_c128_state_loc,
+    )
+    return steps, DSV4OutCacheLoc(*tensors, *counts)

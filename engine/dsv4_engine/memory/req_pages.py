@@ -93,10 +93,22 @@ def plan_step(r: ReqPages, spec: ExtendSpec, g: Geometry) -> Plan:
                 raise AssertionError(f"request {spec.req_idx}: {fam} state page {k} lost before use")
             need[fam].append(k)
         # What the step writes beyond its tail (the block before a page boundary, state_write_from).
-        wrote = state_write_from(ratio, prefix, seq, p)
+        wrote = state_write_from(ratio, prefix, seq, p, spec.keep_len)
         need[fam] += [k for k in pages_in(wrote, lo, p) if k not in held and k not in need[fam]]
         need[fam].sort()
     return Plan(free=free, need=need)
+
+
+def plan_truncate(r: ReqPages, seq_len: int, g: Geometry) -> dict[str, list[tuple[int, int]]]:
+    """The pages a row cut back to seq_len gives up: those wholly at or past it, per family as
+    (page index, page)."""
+    if not 0 < seq_len <= r.seq_len:
+        raise ValueError(f"cannot cut a row of {r.seq_len} positions back to {seq_len}")
+    first = cdiv(seq_len, g.page_size)  # the first page index holding no kept position
+    free = {"full": [(k, pg) for k, pg in enumerate(r.full) if k >= first]}
+    for fam in FAMILIES[1:]:
+        free[fam] = [(k, pg) for k, pg in getattr(r, fam).items() if k >= first]
+    return free
 
 
 def hold_plan(seq_len: int, g: Geometry) -> dict[str, list[int]]:
@@ -125,8 +137,8 @@ def bundle(steps: Sequence[tuple[ReqPages, ExtendSpec]], g: Geometry) -> DSV4Out
         swa += slots(r.swa, p, prefix, seq)
         c4 += rows(r.full, p, 4, prefix, seq)
         c128 += rows(r.full, p, 128, prefix, seq)
-        lo4 = state_write_from(4, prefix, seq, p) if "c4s" in g.state_families else seq
-        lo128 = state_write_from(128, prefix, seq, p) if "c128s" in g.state_families else seq
+        lo4 = state_write_from(4, prefix, seq, p, s.keep_len) if "c4s" in g.state_families else seq
+        lo128 = state_write_from(128, prefix, seq, p, s.keep_len) if "c128s" in g.state_families else seq
         c4s += slots(r.c4s, p, lo4, seq)
         c128s += slots(r.c128s, p, lo128, seq)
         out.extend_counts.append(seq - prefix)

@@ -53,12 +53,16 @@ def state_alloc_offset(ratio: int, seq_len: P) -> P:
     return seq_len - state_alloc_len(ratio, seq_len)  # type: ignore[operator,return-value]
 
 
-def state_write_from(ratio: int, prefix_len: int, seq_len: int, page_size: int) -> int:
+def state_write_from(
+    ratio: int, prefix_len: int, seq_len: int, page_size: int, keep_len: int | None = None
+) -> int:
     """First position whose state a step prefix_len -> seq_len writes: its new tail, and for ratio 4
     also the block just before the last page boundary it reaches. A prefix-cache snapshot at that
     boundary needs that block (the next block's overlap half), so a chunk that runs past the boundary
-    still leaves it behind; it is released with the step's tail, by the usual watermark."""
-    lo = state_alloc_offset(ratio, seq_len)
+    still leaves it behind; it is released with the step's tail, by the usual watermark.
+    keep_len: a step that may be cut back to any length from keep_len on (speculative decoding's
+    verify) writes the tail of each; the offset only grows with the length, so keep_len's is lowest."""
+    lo = state_alloc_offset(ratio, seq_len if keep_len is None else min(keep_len, seq_len))
     boundary = seq_len // page_size * page_size
     if ratio == 4 and boundary >= page_size:
         lo = min(lo, boundary - 4)

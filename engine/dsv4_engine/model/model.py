@@ -8,10 +8,10 @@ from torch import nn
 
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.kernels import KernelSet, choose_kernels
-from dsv4_engine.model.attention import Dsv4Attention
 from dsv4_engine.model.batch import StepBatch
-from dsv4_engine.model.hyper import HyperConnection, HyperHead
-from dsv4_engine.model.moe import MoE
+from dsv4_engine.model.hyper import HyperHead
+from dsv4_engine.model.layer import DecoderLayer
+from dsv4_engine.model.mtp import MtpLayer
 from dsv4_engine.model.ops import Linear, Module, RMSNorm
 from dsv4_engine.parallel.groups import SINGLE, Parallel
 from dsv4_engine.rope import RopeRegistry
@@ -30,37 +30,10 @@ FP32_NAMES = (
     "input_layernorm",
     "post_attention_layernorm",
     "norm",
+    "enorm",
+    "hnorm",
     "inv_freq",
 )
-
-
-class DecoderLayer(Module):
-    def __init__(
-        self, config: Dsv4Config, layer: int, rope: RopeRegistry, parallel: Parallel = SINGLE
-    ) -> None:
-        super().__init__()
-        self.self_attn = Dsv4Attention(
-            config, layer, rope.get(config.rope_main), rope.get(config.rope_compress), parallel
-        )
-        self.mlp = MoE(config, layer, parallel)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn_hc = HyperConnection(config)
-        self.ffn_hc = HyperConnection(config)
-
-    def forward(self, streams: torch.Tensor, batch: StepBatch, spare: torch.Tensor) -> torch.Tensor:
-        """New streams; `spare` (streams' shape) takes the streams between attention and MoE and
-        `streams` the result, overwritten once dead (where `HyperConnection.expand` writes in place).
-        Fresh buffers this size can cost more in page faults than the arithmetic that fills them
-        (small preset, 2048 tokens: 9 ms against 1.5 ms). `HyperConnection` maps the streams
-        (`KernelSet.hc_pre`), the set's `hc_post` spreads a sub-block's output back over them."""
-        k = batch.kernels
-        post, comb, collapsed = self.attn_hc(streams, k)
-        out = self.self_attn(self.input_layernorm(collapsed, k), batch)
-        mid = k.hc_post(post, comb, out, streams, spare)
-        post, comb, collapsed = self.ffn_hc(mid, k)
-        out = self.mlp(self.post_attention_layernorm(collapsed, k), batch)
-        return k.hc_post(post, comb, out, mid, streams)
 
 
 class Dsv4Model(Module):
@@ -79,15 +52,27 @@ class Dsv4Model(Module):
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Final hidden states `[T, hidden]` of any step: an extend `ForwardBatch` or the batched
         decode step's `DecodeBatch` (model/batch.py); writes the step's state, advances the caches."""
+        return self.head(self.streams(batch), batch)
+
+    def prepare(self, batch: StepBatch) -> None:
+        """Per-forward lookups every layer shares: one per RoPE table."""
         batch.check_positions(self.rope.max_positions)
-        for table in self.rope.tables.values():  # one lookup per table per forward, shared by layers
+        for table in self.rope.tables.values():
             batch.memo[id(table)] = table.lookup(batch.positions)
+
+    def streams(self, batch: StepBatch) -> torch.Tensor:
+        """The last layer's streams `[T, hc, hidden]`, before the head's collapse (what the MTP
+        layer reads)."""
+        self.prepare(batch)
         x = self.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         spare = torch.empty_like(streams)
         for layer in self.layers:
             streams = layer(streams, batch, spare)
         batch.advance()
+        return streams
+
+    def head(self, streams: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         return self.norm(self.hc_head(streams), batch.kernels)
 
 
@@ -96,8 +81,14 @@ class Dsv4ForCausalLM(Module):
     that rank's shard, and the embedding, norms and lm_head are replicated."""
 
     def __init__(
-        self, config: Dsv4Config, max_positions: int | None = None, parallel: Parallel = SINGLE
+        self,
+        config: Dsv4Config,
+        max_positions: int | None = None,
+        parallel: Parallel = SINGLE,
+        *,
+        mtp: bool = False,
     ) -> None:
+        """mtp: also build the checkpoint's MTP layer (speculative decoding's draft model)."""
         super().__init__()
         self.config = config
         self.parallel = parallel
@@ -105,6 +96,15 @@ class Dsv4ForCausalLM(Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp: nn.ModuleList | None = None
+        if mtp:
+            if config.num_nextn_predict_layers < 1:
+                raise ValueError(
+                    "speculative decoding needs the checkpoint's MTP layer, and its config has "
+                    "num_nextn_predict_layers = 0"
+                )
+            self.mtp = nn.ModuleList([MtpLayer(config, self.model.rope, parallel)])
+            self.model.rope.build()  # the MTP layer's tables join the registry
 
     @property
     def dtype(self) -> torch.dtype:

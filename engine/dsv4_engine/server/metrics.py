@@ -69,6 +69,21 @@ _ENGINE_KEYS = {
         "Prefixes the prefix cache can resume a request from (state snapshots it keeps).",
         False,
     ),
+    "spec_decode_num_drafts": (
+        "spec_decode_num_drafts",
+        "Speculative decoding: a request's verify steps that carried draft tokens, since start.",
+        True,
+    ),
+    "spec_decode_num_draft_tokens": (
+        "spec_decode_num_draft_tokens",
+        "Speculative decoding: draft tokens proposed by the MTP layer since start.",
+        True,
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "spec_decode_num_accepted_tokens",
+        "Speculative decoding: draft tokens the target model kept since start.",
+        True,
+    ),
 }
 # engine.metrics() per-pool key prefix -> (metric name, help)
 _POOL_KEYS = {
@@ -95,6 +110,7 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         snap = dict(self._snapshot())
         hit_rate = prefix_cache_hit_rate(snap)
+        acceptance, mean_length = spec_decode_acceptance_rate(snap), spec_decode_mean_acceptance_length(snap)
         for key, (name, help_text, is_counter) in _ENGINE_KEYS.items():
             value = float(snap.pop(key, 0.0))
             if is_counter:
@@ -105,6 +121,17 @@ class _EngineCollector(Collector):
             f"{PREFIX}_prefix_cache_hit_rate",
             "Share of admitted prompt tokens resumed from the prefix cache since start (0 before any).",
             value=hit_rate,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_spec_decode_acceptance_rate",
+            "Speculative decoding: accepted / proposed draft tokens since start (0 before any).",
+            value=acceptance,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_spec_decode_mean_acceptance_length",
+            "Speculative decoding: tokens a request gains per verify step, 1 + accepted / drafts, since "
+            "start (0 before any).",
+            value=mean_length,
         )
         for prefix, (name, help_text) in _POOL_KEYS.items():
             family = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=["pool"])
@@ -130,6 +157,19 @@ def prefix_cache_hit_rate(snapshot: Mapping[str, float]) -> float:
     """prefix_cache_hits / prefix_cache_queries, 0 when no prompt was admitted yet."""
     queries = float(snapshot.get("prefix_cache_queries", 0.0))
     return float(snapshot.get("prefix_cache_hits", 0.0)) / queries if queries else 0.0
+
+
+def spec_decode_acceptance_rate(snapshot: Mapping[str, float]) -> float:
+    """spec_decode_num_accepted_tokens / spec_decode_num_draft_tokens, 0 when nothing was drafted."""
+    drafted = float(snapshot.get("spec_decode_num_draft_tokens", 0.0))
+    return float(snapshot.get("spec_decode_num_accepted_tokens", 0.0)) / drafted if drafted else 0.0
+
+
+def spec_decode_mean_acceptance_length(snapshot: Mapping[str, float]) -> float:
+    """Tokens per verify step, 1 + accepted / drafts (the target's own token plus the kept drafts,
+    vLLM's "mean acceptance length"), 0 when no step carried drafts."""
+    drafts = float(snapshot.get("spec_decode_num_drafts", 0.0))
+    return 1.0 + float(snapshot.get("spec_decode_num_accepted_tokens", 0.0)) / drafts if drafts else 0.0
 
 
 _VLLM_LABELS = {"finish_reason": "finished_reason"}  # vLLM's spelling of the same label
@@ -183,6 +223,12 @@ class _VllmCollector(Collector):
              "Prompt tokens of admitted requests since start.", True),
             ("prefix_cache_hits", "vllm:prefix_cache_hits",
              "Prompt tokens resumed from the prefix cache since start.", True),
+            ("spec_decode_num_drafts", "vllm:spec_decode_num_drafts",
+             "Speculative decoding: verify steps (per request) that carried drafts since start.", True),
+            ("spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens",
+             "Speculative decoding: draft tokens proposed since start.", True),
+            ("spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+             "Speculative decoding: draft tokens accepted since start.", True),
         ):  # fmt: skip
             family = CounterMetricFamily if counter else GaugeMetricFamily
             metric = family(name, doc, labels=keys)

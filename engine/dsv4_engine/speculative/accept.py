@@ -1,0 +1,65 @@
+"""Which requests speculate, and which of a verify step's drafts they keep.
+
+`verify` keeps the output distribution exactly the target's. Greedy: a draft is kept while it equals
+the target's argmax, and the first mismatch is replaced by the argmax. Sampling: the drafts are point
+masses (the MTP layer's argmax), so draft d at a position is kept with probability p(d), the target's
+probability there after temperature, min_p, top-k and top-p; a rejected one is replaced by a draw
+from p with d removed and renormalised. P(x) = p(d)[x = d] + (1 - p(d)) p(x)[x != d] / (1 - p(d))
+= p(x), position after position (Leviathan et al. 2023, with q a point mass). When every draft is
+kept, the last position's distribution gives one more token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_engine.sampler import apply_min_p, filter_top_k_top_p
+from dsv4_engine.sampling_params import SamplingParams
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request's tokens may be drafted: only when nothing but temperature, top-k, top-p and
+    min_p shapes its next token (penalties, biases, masks, grammars and min_tokens depend on every
+    token before it; logprobs are reported from one-token steps)."""
+    return not (
+        params.penalized
+        or params.logit_bias
+        or params.bad_words_token_ids
+        or params.allowed_token_ids is not None
+        or params.grammar is not None
+        or params.min_tokens
+        or params.logprobs is not None
+    )
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled token is drawn from, at each row of `logits [n, V]`."""
+    rows = [params] * len(logits)
+    scaled = apply_min_p(logits.float() / params.temperature, rows)
+    return filter_top_k_top_p(scaled, rows).softmax(dim=-1)
+
+
+def verify(
+    logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator | None
+) -> list[int]:
+    """The tokens a verify step emits: the kept drafts, then one of the target's. `logits [k+1, V]`:
+    row j is the target's at the position draft j was proposed for (row k: after the last draft)."""
+    if params.greedy:
+        target = logits.argmax(dim=-1).tolist()
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == target[kept]:
+            kept += 1
+        return [*drafts[:kept], target[kept]]
+    probs = target_probs(logits, params)
+    u = torch.rand(len(drafts), generator=generator, device=generator.device if generator else "cpu")
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        if float(u[j]) < float(probs[j, d]):
+            out.append(d)
+            continue
+        residual = probs[j].clone()
+        residual[d] = 0.0
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator)))
+    return out

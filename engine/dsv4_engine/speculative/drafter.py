@@ -1,0 +1,94 @@
+"""The MTP layer as the draft model: after each target forward, one pass over the positions the
+target just computed (their streams and the tokens that follow them, which fills the layer's window
+rows), then k - 1 single-token passes that each feed the layer its own output and draft.
+
+Drafts are the MTP layer's argmax (top-1, as SGLang's DeepSeek MTP). Rejection sampling in `verify`
+treats them as point masses, so the output distribution is the target's whatever they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4_engine.kernels import KernelSet
+from dsv4_engine.model import Dsv4ForCausalLM
+from dsv4_engine.model.mtp import MtpLayer
+from dsv4_engine.model.packed import Packed, attention_inputs, pack_linears
+from dsv4_engine.speculative.draft_batch import DraftBatch
+from dsv4_engine.speculative.draft_cache import DraftCache
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """What one request gives the drafter after a step: positions [start, start + len(next_ids))
+    just computed by the target, their streams (`[len, hc, hidden]`), and the token that follows
+    each (the last: the token the step sampled, or the next prompt token of an unfinished prefill).
+    draft: whether to propose tokens (its next step decodes)."""
+
+    request_id: str
+    req_idx: int
+    start: int
+    streams: torch.Tensor
+    next_ids: list[int]
+    draft: bool
+
+
+class Drafter:
+    def __init__(
+        self, model: Dsv4ForCausalLM, cache: DraftCache, num_draft_tokens: int, kernels: KernelSet
+    ) -> None:
+        assert model.mtp is not None, "the model was built without its MTP layer"
+        self.model = model
+        self.mtp: MtpLayer = model.mtp[0]  # type: ignore[assignment]
+        self.cache = cache
+        self.k = num_draft_tokens
+        self.kernels = kernels.for_decode(compiled=False)  # one row per token, as a decode step
+        shared = self.mtp.mlp.shared_experts
+        self.packs: tuple[Packed, Packed] | None = None  # int8 (W8A8) projections run one by one
+        if all(p.dtype != torch.int8 for p in self.mtp.parameters()):
+            self.packs = (
+                pack_linears(attention_inputs(self.mtp.self_attn)),
+                pack_linears([shared.gate_proj, shared.up_proj]),
+            )
+
+    def _pass(self, rows: list[tuple[DraftRow, int, list[int]]], streams: torch.Tensor) -> torch.Tensor:
+        """One MTP forward over (row, first position, token ids) with their input streams; its
+        output streams."""
+        tokens = [(r.req_idx, r.request_id, start + j) for r, start, ids in rows for j in range(len(ids))]
+        out_slots, window_slots, keep = self.cache.slots(tokens)
+        device = streams.device
+        ids = torch.tensor([t for _, _, ids in rows for t in ids], dtype=torch.long, device=device)
+        positions = torch.tensor([t[2] for t in tokens], dtype=torch.long, device=device)
+        batch = DraftBatch(
+            ids, positions, self.cache.kv, out_slots, window_slots, keep, self.kernels, self.packs
+        )
+        self.model.model.prepare(batch)
+        embeds = self.model.model.embed_tokens(batch.input_ids)
+        return self.mtp.draft(streams, embeds, batch)
+
+    def _argmax(self, streams: torch.Tensor) -> list[int]:
+        hidden = self.mtp.hidden(streams, self.kernels)
+        return self.model.compute_logits(hidden, self.kernels).argmax(dim=-1).tolist()
+
+    def propose(self, rows: list[DraftRow]) -> dict[str, list[int]]:
+        """Fill the MTP rows of every row's positions; k drafts for each row with `draft`."""
+        if not rows:
+            return {}
+        out = self._pass([(r, r.start, r.next_ids) for r in rows], torch.cat([r.streams for r in rows]))
+        ends = torch.tensor([len(r.next_ids) for r in rows]).cumsum(0) - 1
+        drafting = [i for i, r in enumerate(rows) if r.draft]
+        if not drafting or self.k == 0:
+            return {}
+        last = out.index_select(0, ends[drafting].to(out.device))
+        chain = [rows[i] for i in drafting]
+        drafts = [[t] for t in self._argmax(last)]
+        for j in range(1, self.k):
+            step = [
+                (r, r.start + len(r.next_ids) + j - 1, [d[-1]]) for r, d in zip(chain, drafts, strict=True)
+            ]
+            last = self._pass(step, last)
+            for d, t in zip(drafts, self._argmax(last), strict=True):
+                d.append(t)
+        return {r.request_id: d for r, d in zip(chain, drafts, strict=True)}

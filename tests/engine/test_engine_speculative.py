@@ -1,0 +1,166 @@
+"""Speculative decoding with the MTP layer: what a speculating engine emits and leaves in its pools is
+what it would without drafts.
+
+The parity checkpoints carry a random MTP layer: its drafts are rarely right, which exercises
+rejection. Where the accept paths matter, the drafter's proposals are replaced by an
+oracle (the speculation-off run's own continuation) corrupted at random, so steps keep every draft,
+some, or none.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4_engine.llm import LLM
+from dsv4_engine.memory.state_tail import state_alloc_offset
+from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.speculative import Drafter
+from dsv4_engine.testing import greedy_divergences, random_ids
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+# Prompt lengths on and around the 4 and 128 grids and the windows (8-32 in the parity configs).
+LENGTHS = [1, 5, 31, 126, 127, 130, 300]
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoints(checkpoints: dict[str, Path]) -> dict[str, Path]:
+    """The parity checkpoints: each carries a random MTP layer (tests/conftest.py)."""
+    return checkpoints
+
+
+def _llm(path: Path, **kw: object) -> LLM:
+    kw.setdefault("max_model_len", 1024)
+    kw.setdefault("max_num_seqs", 16)
+    kw.setdefault("num_pages", 64)
+    kw.setdefault("disable_radix_cache", True)
+    return LLM(path, dtype="float32", device="cpu", **kw)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    return [random_ids(n, seed=seed + n) for n in LENGTHS]
+
+
+@pytest.mark.parametrize(("name", "k", "page"), [("A", 1, 128), ("A", 3, 128), ("B", 2, 128), ("C", 3, 256)])
+def test_greedy_output_equals_no_speculation(mtp_checkpoints, hf_models, assert_released, name, k, page):
+    prompts = _prompts(seed=11)
+    off = _llm(mtp_checkpoints[name], page_size=page).generate(prompts, GREEDY)
+    spec = _llm(mtp_checkpoints[name], page_size=page, speculative_num_steps=k)
+    on = spec.generate(prompts, GREEDY)
+    for a, b in zip(on, off, strict=True):
+        assert a.token_ids == b.token_ids, len(a.prompt_token_ids)
+    m = spec.engine.metrics()
+    assert m["spec_decode_num_drafts"] > 0
+    assert m["spec_decode_num_draft_tokens"] >= m["spec_decode_num_drafts"]
+    if name == "A" and k == 3:
+        excused = sum(len(greedy_divergences(hf_models(name), o.prompt_token_ids, o.token_ids)) for o in on)
+        assert excused <= 1, excused
+    assert_released(spec)
+
+
+def _oracle(drafter: Drafter, truth: dict[str, list[int]], rng: random.Random) -> None:
+    """Replace the drafter's proposals by the true continuation (`truth`: prompt and output), each
+    draft corrupted with probability 0.3 (what follows a corrupt draft is rejected anyway)."""
+    propose = drafter.propose
+
+    def oracle(rows):  # type: ignore[no-untyped-def]
+        proposed = propose(rows)  # the MTP layer still runs and fills its rows
+        out = {}
+        for r in rows:
+            if r.request_id in proposed:
+                pending = r.start + len(r.next_ids)  # the position of the token the step sampled
+                want = truth[r.request_id][pending + 1 : pending + 1 + len(proposed[r.request_id])]
+                out[r.request_id] = [t if rng.random() > 0.3 else (t + 1) % 512 for t in want]
+        return out
+
+    drafter.propose = oracle  # type: ignore[method-assign]
+
+
+def _read_state(llm: LLM, req_idx: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """Every state row a step starting at seq_len reads, by type, in position order."""
+    kv, tables, layout = llm.engine.kv_pool, llm.engine.req_pool, llm.engine.layout
+
+    def flat(buf: torch.Tensor) -> torch.Tensor:
+        return buf.view(-1, buf.shape[-1])
+
+    out = {}
+    swa = tables.req_to_token_swa[req_idx, max(0, seq_len - layout.window) : seq_len].long()
+    out["swa"] = torch.stack([flat(kv.swa_kv[i])[swa] for i in kv.swa_kv])
+    c4 = tables.req_to_token_c4[req_idx, : seq_len // 4].long()
+    out["c4"] = torch.cat([flat(kv.c4_kv[i])[c4] for i in kv.c4_kv])
+    out["indexer"] = torch.cat([flat(kv.indexer_kv[i])[c4] for i in kv.indexer_kv])
+    c128 = tables.req_to_token_c128[req_idx, : seq_len // 128].long()
+    out["c128"] = torch.cat([flat(kv.c128_kv[i])[c128] for i in kv.c128_kv]) if kv.c128_kv else torch.zeros(0)
+    s4 = tables.req_to_token_c4_state[req_idx, state_alloc_offset(4, seq_len) : seq_len].long()
+    out["c4_state"] = torch.cat([flat(kv.c4_state[i])[s4] for i in kv.c4_state])
+    out["indexer_state"] = torch.cat([flat(kv.c4_index_state[i])[s4] for i in kv.c4_index_state])
+    s128 = tables.req_to_token_c128_state[req_idx, state_alloc_offset(128, seq_len) : seq_len].long()
+    out["c128_state"] = (
+        torch.cat([flat(kv.c128_state[i])[s128] for i in kv.c128_state]) if kv.c128_state else torch.zeros(0)
+    )
+    for name, slots in (("swa", swa), ("c4", c4), ("c128", c128), ("c4_state", s4), ("c128_state", s128)):
+        assert bool((slots > 0).all()), f"{name}: a position the next step reads is not resident"
+    beyond = [tables.req_to_token[req_idx, seq_len:], tables.req_to_token_c4[req_idx, -(-seq_len // 4) :]]
+    beyond.append(tables.req_to_token_c128[req_idx, -(-seq_len // 128) :])
+    assert all(int(t.abs().sum()) == 0 for t in beyond), "table entries past the row's end"
+    return out
+
+
+def _run_held(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    ids = [llm.engine.add_request(p, params, f"r{i}", hold=True) for i, p in enumerate(prompts)]
+    outs: dict[str, list[int]] = {i: [] for i in ids}
+    while llm.engine.has_unfinished():
+        for step in llm.engine.step():
+            outs[step.request_id] += step.new_token_ids
+    return outs
+
+
+@pytest.mark.parametrize(("name", "page"), [("A", 128), ("C", 256)])
+def test_random_accept_reject_leaves_the_pools_as_no_drafting(mtp_checkpoints, assert_released, name, page):
+    """Drafts kept, partly kept and rejected at random: the output is the speculation-off run's, and
+    once done every state row the next step would read (SWA window, compressed rows, indexer keys,
+    compressor state tails) equals that run's, with no table entry past the row's end. The GEMMs see
+    other batch shapes (a verify runs k + 1 tokens), so values are compared to 1e-5, not bitwise."""
+    prompts = _prompts(seed=23)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    off = _llm(mtp_checkpoints[name], page_size=page)
+    truth = _run_held(off, prompts, params)
+    spec = _llm(mtp_checkpoints[name], page_size=page, speculative_num_steps=3)
+    drafter = spec.engine.runner.drafter
+    assert drafter is not None
+    _oracle(
+        drafter, {rid: [*p, *truth[rid]] for rid, p in zip(truth, prompts, strict=True)}, random.Random(7)
+    )
+    got = _run_held(spec, prompts, params)
+    assert got == truth
+    m = spec.engine.metrics()
+    assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
+    for rid, prompt in zip(truth, prompts, strict=True):
+        seq_len = len(prompt) + params.max_tokens - 1
+        a = _read_state(spec, spec.engine.scheduler.held[rid].req_idx, seq_len)
+        b = _read_state(off, off.engine.scheduler.held[rid].req_idx, seq_len)
+        for kind in a:
+            torch.testing.assert_close(a[kind], b[kind], atol=1e-5, rtol=1e-5, msg=f"{rid} {kind}")
+    for llm in (spec, off):
+        for rid in truth:
+            llm.engine.release_held(rid)
+        assert_released(llm)
+
+
+def test_speculation_from_a_cached_prefix(mtp_checkpoints, assert_released) -> None:
+    """A request resumed from the prefix cache speculates too (its MTP window starts at the resume
+    point): the output is the no-speculation engine's, with the same cache hits."""
+    base = random_ids(300, seed=41)
+    prompts = [base + random_ids(9, seed=42), base + random_ids(17, seed=43)]
+    outs = {}
+    for k in (0, 2):
+        llm = _llm(mtp_checkpoints["A"], disable_radix_cache=False, speculative_num_steps=k)
+        outs[k] = [llm.generate([p], GREEDY)[0] for p in prompts]  # one after the other: the second hits
+        assert outs[k][1].num_cached_tokens == 256
+        if k:
+            assert llm.engine.metrics()["spec_decode_num_drafts"] > 0
+            assert_released(llm)
+    assert [o.token_ids for o in outs[2]] == [o.token_ids for o in outs[0]]
