@@ -1,7 +1,7 @@
 """Speculative decoding with the MTP layer: decode tokens/s with speculation off and on, one run.
 
     python bench/spec.py                      # demo model, k = 1 2 3, batch 1 and 8, 96 tokens, 3 repeats,
-                                              # then the small preset if make_tiny gives it an MTP layer
+                                              # then the small preset with a random MTP layer (overhead)
     python bench/spec.py --quick              # k = 2, 32 tokens, 1 repeat, the demo model only (< 60 s)
     python bench/spec.py --model PATH --steps 1 2 --batches 1 --max-tokens 128
 
