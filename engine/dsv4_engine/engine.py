@@ -275,7 +275,8 @@ class LLMEngine:
         cached_tokens: int = 0,
         drafts: list[int] | None = None,
     ) -> None:
-        """PD decode: the request's state is in `req_idx`'s pages; run it from its first token.
+        """PD decode: the request's state is in `req_idx`'s pages, on every rank (each had it written
+        by a prefill rank of its own: disagg/lanes.py); run it from its first token.
         The logprobs the prefill computed come out with that token, as a colocated server's would,
         and so does its prefix-cache hit (`cached_tokens`). `drafts`: the prefill's MTP drafts after
         the first token, which the first decode step verifies when this engine speculates."""
@@ -284,10 +285,6 @@ class LLMEngine:
         if not 0 <= first_token < self.config.vocab_size:
             self.allocator.free(req_idx)
             raise ValueError(f"transferred first token {first_token} is outside the vocabulary")
-        if self._broadcast is not None:  # the transfer filled rank 0's pools: the other ranks copy them
-            self._broadcast.share_pages(
-                self.allocator.take_journal(), self.kv_pool, self.payloads(req_idx, len(prompt_token_ids))
-            )
         seq = Sequence(request_id, list(prompt_token_ids), sampling_params, req_idx=req_idx)
         seq.output_token_ids.append(first_token)
         if sampling_params.grammar is not None:
@@ -336,6 +333,11 @@ class LLMEngine:
     def flush_cache(self) -> None:
         """Empty the prefix cache; what running requests hold stays theirs."""
         self.allocator.flush_cache()
+
+    def steps_sent(self) -> int:
+        """Step messages rank 0 has sent its other ranks (0 on one rank): a rank's PD write of a
+        step's pages waits until it ran as many (disagg/lanes.py)."""
+        return self._broadcast.sent if self._broadcast is not None else 0
 
     def close(self) -> None:
         """Stop the other ranks of a parallel server (nothing to do on one rank); idempotent."""

@@ -7,7 +7,8 @@ broadcasts what the step's forward needs (`StepBroadcast.send`): its allocator's
 last step, which each rank replays on its own allocator, so every rank's pages and request tables
 stay identical to rank 0's, and the `StepPlan`, which each rank runs through the same
 `ModelRunner.forward`. Scheduling, sampling and serving are rank 0's alone; the other ranks hold no
-request state beyond their pages.
+request state beyond their pages. A pipe per rank (`Workers.links`) carries what rank 0 asks of a
+rank besides steps: on a PD server, its own transport's writes (disagg/lanes.py).
 
 Failure is never a hang: a rank that exits is seen at once by rank 0's watcher thread, which logs
 which rank died and how, stops the others, and fails the engine (`Workers.failure`; the server turns
@@ -30,16 +31,20 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.engine_config import EngineConfig
-from dsv4_engine.memory import Dsv4MemoryLayout, Dsv4TokenToKVPool, PagedMemory, PoolSizes, StateType
+from dsv4_engine.memory import Dsv4MemoryLayout, PagedMemory, PoolSizes
 from dsv4_engine.model import Dsv4ForCausalLM
 from dsv4_engine.model_runner import ModelRunner, StepPlan
 from dsv4_engine.parallel.groups import SINGLE, Parallel, destroy_groups, init_groups, prewarm, rank_device
+from dsv4_engine.speculative import DraftRow
+
+if TYPE_CHECKING:
+    from dsv4_engine.disagg.lanes import Progress
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +108,13 @@ def threads_per_rank(tp_size: int) -> int:
 # ---- rank 0 ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Message:
-    """What rank 0 broadcasts: a step to run, pages to copy (PD decode), or stop; with the
-    allocator's changes to replay first."""
+    """What rank 0 broadcasts: a step to run (with the allocator's changes to replay first), the
+    MTP rows to draft after it (speculative decoding), or stop."""
 
-    kind: Literal["step", "pages", "stop"]
+    kind: Literal["step", "draft", "stop"]
     journal: list[tuple[str, tuple]] = field(default_factory=list)
     step: StepPlan | None = None
-    pages: dict[StateType, list[int]] | None = None
+    drafts: list[DraftRow] = field(default_factory=list)
 
 
 class StepBroadcast:
@@ -117,19 +122,16 @@ class StepBroadcast:
 
     def __init__(self, parallel: Parallel) -> None:
         self.parallel = parallel
+        # Step messages sent: a PD write of a step's pages runs on a rank once it ran as many
+        # (disagg/lanes.py), so it never reads pages that rank's forward is still filling.
+        self.sent = 0
 
     def send(self, journal: list[tuple[str, tuple]], step: StepPlan) -> None:
         self._send(Message("step", journal, step=step))
+        self.sent += 1
 
-    def share_pages(
-        self, journal: list[tuple[str, tuple]], kv: Dsv4TokenToKVPool, pages: dict[StateType, list[int]]
-    ) -> None:
-        """PD decode: a transfer wrote a request's state into rank 0's pools only; every rank copies
-        those pages (one broadcast of them all). Sending the state over the network once and
-        fanning it out over the server's own links moves tp_size times fewer bytes between servers
-        than a transfer to every rank, and keeps the PD protocol the same at every parallel size."""
-        self._send(Message("pages", journal, pages=pages))
-        broadcast_pages(kv, pages, self.parallel)
+    def draft(self, rows: list[DraftRow]) -> None:
+        self._send(Message("draft", drafts=rows))
 
     def stop(self) -> None:
         self._send(Message("stop"))
@@ -138,36 +140,13 @@ class StepBroadcast:
         torch.distributed.broadcast_object_list([message], src=0, group=self.parallel.cpu_group)
 
 
-def broadcast_pages(kv: Dsv4TokenToKVPool, pages: dict[StateType, list[int]], parallel: Parallel) -> None:
-    """Rank 0's rows of `pages` (page ids per state type; the sentinel page 0 skipped) in every
-    buffer, into the same rows of every rank's buffers, as one broadcast of their bytes."""
-    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for state_type, buffers in kv.buffers_by_type().items():
-        ids = [p for p in pages.get(state_type, ()) if p]
-        if ids:
-            index = torch.tensor(ids, dtype=torch.long, device=kv.device)
-            parts += [(buf, index) for buf in buffers]
-    if not parts:
-        return
-    sizes = [len(index) * buf[0].nbytes for buf, index in parts]
-    if parallel.is_driver:
-        flat = torch.cat(
-            [buf.index_select(0, index).contiguous().view(-1).view(torch.uint8) for buf, index in parts]
-        )
-    else:
-        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=kv.device)
-    torch.distributed.broadcast(flat, src=0, group=parallel.device_group)
-    if not parallel.is_driver:
-        for (buf, index), chunk in zip(parts, flat.split(sizes), strict=True):
-            buf.index_copy_(0, index, chunk.view(buf.dtype).view(len(index), *buf.shape[1:]))
-
-
 @dataclass(frozen=True)
 class WorkerArgs:
     cfg: EngineConfig
     rank: int
     init_method: str
     log_level: int  # rank 0's: the ranks log as it does, their lines marked with their rank
+    link: multiprocessing.connection.Connection  # the rank's end of its pipe to rank 0
 
 
 class Workers:
@@ -182,14 +161,17 @@ class Workers:
         self.on_failure: Callable[[str], None] | None = None
         self._closing = threading.Event()
         ctx = multiprocessing.get_context("spawn")  # a fork would copy rank 0's threads and torch state
+        pipes = [ctx.Pipe() for _ in range(1, cfg.tp_size)]
+        self.links = [ours for ours, _ in pipes]  # rank 0's ends, ranks 1..N-1 in order
+        level = logging.getLogger().getEffectiveLevel()
         self.processes = [
             ctx.Process(
                 target=worker_main,
-                args=(WorkerArgs(cfg, rank, self.init_method, logging.getLogger().getEffectiveLevel()),),
+                args=(WorkerArgs(cfg, rank, self.init_method, level, theirs),),
                 name=f"dsv4-rank{rank}",
                 daemon=True,
             )
-            for rank in range(1, cfg.tp_size)
+            for rank, (_, theirs) in enumerate(pipes, start=1)
         ]
         if cfg.device.type == "cpu":
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks talk over loopback only
@@ -273,10 +255,13 @@ def worker_main(args: WorkerArgs) -> None:
     parallel = init_groups(args.rank, cfg.tp_size, cfg.ep_size, args.init_method, cfg.device)
     if cfg.prewarm:
         prewarm(parallel, cfg.device)
-    model = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len, parallel)
+    model = load_model(
+        cfg.model, cfg.dtype, cfg.device, cfg.max_model_len, parallel, mtp=cfg.speculative_num_steps > 0
+    )
     rank = build_rank(cfg, model, share_sizes(parallel, None))
     rank.runner.warmup()
-    follow(rank, parallel)
+    progress = _serve_link(args, rank, cfg)
+    follow(rank, parallel, progress)
     destroy_groups()
     # Told to stop, with nothing left to write: leave without the interpreter's teardown, where a
     # C++ thread of torch's still joinable at static destruction aborts the process ("terminate
@@ -285,9 +270,23 @@ def worker_main(args: WorkerArgs) -> None:
     os._exit(0)
 
 
-def follow(rank: Rank, parallel: Parallel) -> None:
+def _serve_link(args: WorkerArgs, rank: Rank, cfg: EngineConfig) -> Progress:
+    """Serve rank 0's requests on the link (disagg/lanes.py: this rank's PD transport) beside the
+    steps; returns the steps' progress, which a write waits on."""
+    from dsv4_engine.disagg.lanes import Progress, serve
+
+    progress = Progress()
+    threading.Thread(
+        target=serve, args=(args.link, rank.memory.kv, progress, args.rank, str(cfg.device)),
+        name="dsv4-lane", daemon=True,
+    ).start()  # fmt: skip
+    return progress
+
+
+def follow(rank: Rank, parallel: Parallel, progress: Progress) -> None:
     """Run rank 0's steps until it says stop."""
     allocator, runner = rank.memory.allocator, rank.runner
+    streams = None  # the last step's last-layer streams, which its draft message reads
     with torch.inference_mode():
         while True:
             box: list[Any] = [None]
@@ -295,8 +294,10 @@ def follow(rank: Rank, parallel: Parallel) -> None:
             message: Message = box[0]
             if message.kind == "stop":
                 return
+            if message.kind == "draft":
+                runner.draft(message.drafts, streams)
+                continue
             allocator.replay(message.journal)
-            if message.pages is not None:
-                broadcast_pages(rank.memory.kv, message.pages, parallel)
             if message.step is not None:
-                runner.forward(message.step)
+                streams = runner.forward(message.step)
+                progress.advance()

@@ -163,6 +163,7 @@ class PdMetrics(Protocol):
     pd_failures: Counter  # {reason}
     pd_bytes: Counter  # {state_type}: sent (prefill) or received (decode)
     pd_writes: Counter  # {path}, prefill
+    pd_rank_bytes: Counter  # {rank, peer_rank}: bytes each rank of a prefill wrote to each decode rank
     pd_transfer_seconds: Histogram
     pd_handshake_seconds: Histogram  # decode
 

@@ -2,8 +2,9 @@
 
 Its own port (not the API port) so NetworkPolicies can open it to same-deployment decode pods only.
 It runs on the server's event loop beside the API server, so room state has one owner (the loop).
-Records are kept per rank (`ranks`), so parallel prefill servers can register a Mooncake session per
-rank later without changing the protocol.
+Records are kept per rank (`ranks`): a parallel server's every rank has its own Mooncake session,
+and a parallel decode server registers each of its ranks' sessions and buffers, so each decode rank
+is written by a prefill rank of its own (lanes.py).
 """
 
 from __future__ import annotations
@@ -33,12 +34,19 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class RankSession(_Body):
+    rank: int = Field(ge=1)
+    mooncake_session: str
+    dst_ptrs: dict[StateType, list[int]]
+
+
 class SessionBody(_Body):
     mooncake_session: str
     dst_ptrs: dict[StateType, list[int]]
     aux_ptr: int
     fingerprint: dict[str, Any]
     staging_ptr: int | None = None  # a decode without a staging arena only takes direct writes
+    ranks: list[RankSession] = []  # a parallel decode's other ranks (their state comes direct)
 
 
 class ClaimBody(_Body):
@@ -68,9 +76,10 @@ def _error(err: PdError) -> JSONResponse:
     return JSONResponse({"status": "failed", **err.body()}, status_code=err.status)
 
 
-def create_bootstrap_app(rooms: PrefillRooms, *, rank: int = 0) -> FastAPI:
+def create_bootstrap_app(rooms: PrefillRooms) -> FastAPI:
     app = FastAPI(title="dsv4-bootstrap", docs_url=None, redoc_url=None)
-    ranks = {rank: {"rank": rank, "mooncake_session": rooms.transport.session_id}}
+    ranks = {0: {"rank": 0, "mooncake_session": rooms.transport.session_id}}
+    ranks.update({e.rank: {"rank": e.rank, "mooncake_session": e.session} for e in rooms.endpoints})
     # This process: a prefill restarted on the same address answers with another, so a decode server
     # tells it from the one it registered with (decode_peers.py).
     instance = uuid.uuid4().hex
@@ -102,6 +111,7 @@ def create_bootstrap_app(rooms: PrefillRooms, *, rank: int = 0) -> FastAPI:
             DecodeSession(
                 decode_id, body.mooncake_session, body.dst_ptrs, body.aux_ptr, body.fingerprint,
                 staging_ptr=body.staging_ptr,
+                ranks={r.rank: (r.mooncake_session, r.dst_ptrs) for r in body.ranks},
             )
         )  # fmt: skip
         log.info("decode server %s registered (Mooncake session %s)", decode_id, body.mooncake_session)

@@ -39,6 +39,7 @@ from dsv4_engine.disagg.decode_peers import PrefillPeer, PrefillPeers
 from dsv4_engine.disagg.decode_reserve import Reservation, horizon, reserve
 from dsv4_engine.disagg.faults import FaultHooks, page_digests, poisoned
 from dsv4_engine.disagg.fingerprint import prompt_digest
+from dsv4_engine.disagg.lanes import RankEndpoint
 from dsv4_engine.disagg.protocol import (
     PdError,
     PdTarget,
@@ -78,7 +79,10 @@ class DecodeReceiver:
         reserve_tokens: int = 512,
         staging: StagingArena | None = None,
         faults: FaultHooks | None = None,
+        endpoints: list[RankEndpoint] | None = None,
     ) -> None:
+        """`endpoints`: a parallel server's other ranks' transports (lanes.py): each is written the
+        request's state directly by a prefill rank, so nothing is copied between ranks here."""
         self.engine = engine
         self.bridge = bridge
         self.waiting_timeout = waiting_timeout
@@ -107,6 +111,15 @@ class DecodeReceiver:
             "fingerprint": fingerprint,
             "staging_ptr": staging.data_ptr if staging is not None else None,
         }
+        if endpoints:  # absent on one rank: the body a prefill of any version takes
+            session["ranks"] = [
+                {
+                    "rank": e.rank,
+                    "mooncake_session": e.session,
+                    "dst_ptrs": {str(t): p for t, p in e.ptrs.items()},
+                }
+                for e in endpoints
+            ]
         self.peers = PrefillPeers(
             self.decode_id, session, fingerprint=fingerprint, heartbeat_interval=heartbeat_interval,
             heartbeat_failures=heartbeat_failures, metrics=metrics,

@@ -94,6 +94,9 @@ class FaultHooks:
     deaf: bool = False  # prefill: ignore the decode's aborts and hang-ups (forces a late write)
     holds: dict[int, Hold] = field(default_factory=dict)  # prefill: room -> its next write's held entry
     skip: set[int] = field(default_factory=set)  # prefill: rooms whose pages are never written (aux is)
+    # Prefill: room -> the rank whose lanes (a parallel decode's other ranks) go to a session Mooncake
+    # refuses, so that rank's part of the transfer fails.
+    fail_rank: dict[int, int] = field(default_factory=dict)
     poison: bool = True  # decode: fill reserved pages with NaN, and fail a request whose pages keep any
     # Room -> sha256 per state type of the bytes sent (prefill, as each job was queued) or received
     # (decode), to compare.

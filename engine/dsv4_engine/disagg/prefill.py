@@ -13,6 +13,7 @@ The loop owns rooms and sessions; the engine thread and the worker post results 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import Any
 from dsv4_engine.disagg.base import EngineCalls, PdEngine, PdMetrics, Transport
 from dsv4_engine.disagg.faults import FaultHooks
 from dsv4_engine.disagg.fingerprint import prompt_digest
+from dsv4_engine.disagg.lanes import RankEndpoint, RankLinks
 from dsv4_engine.disagg.prefill_send import ChunkSender
 from dsv4_engine.disagg.prefill_writer import TransferWorker
 from dsv4_engine.disagg.protocol import PdError, PdTarget, RoomStatus, register_state
@@ -49,8 +51,12 @@ class PrefillRooms:
         staging: StagingArena | None = None,
         faults: FaultHooks | None = None,
         threads: int = 4,
+        links: RankLinks | None = None,
+        endpoints: list[RankEndpoint] | None = None,
     ) -> None:
+        """`links`, `endpoints`: a parallel server's other ranks and their transports (lanes.py)."""
         self.transport = transport
+        self.endpoints = endpoints or []
         self.loop = loop
         self.fingerprint = fingerprint
         self.bootstrap_timeout = bootstrap_timeout
@@ -66,10 +72,16 @@ class PrefillRooms:
         self.writer = TransferWorker(
             engine, bridge, transport, components, staging=staging, metrics=metrics, lock=self._lock,
             fail_soon=self._fail_soon, succeed_soon=self._succeed_soon, faults=faults, threads=threads,
+            links=links,
         )  # fmt: skip
+        sources = [components] + [
+            [dataclasses.replace(c, data_ptrs=e.ptrs[c.state_type]) for c in components]
+            for e in self.endpoints
+        ]
         sender = ChunkSender(
             engine, components, aux, staging=staging, room_of=self.by_request.get,
-            fail_soon=self._fail_soon, writer=self.writer, faults=faults,
+            fail_soon=self._fail_soon, writer=self.writer, faults=faults, sources=sources,
+            steps_sent=links.sent if links is not None else lambda: 0,
         )  # fmt: skip
         engine.step_observers.append(sender.on_step)
 
@@ -268,6 +280,9 @@ class PrefillRooms:
             self.metrics.pd_transfer_seconds.observe(time.monotonic() - room.transfer_started)
         for t, n in room.bytes_by_type.items():
             self.metrics.pd_bytes.labels(t).inc(n)
+        lanes = {(0, 0): sum(room.bytes_by_type.values()), **room.lane_bytes}
+        for (rank, peer_rank), n in lanes.items():
+            self.metrics.pd_rank_bytes.labels(str(rank), str(peer_rank)).inc(n)
         if not room.result.done():
             room.result.set_result(None)
         self._forget(room)

@@ -4,7 +4,8 @@ becomes a write job for the transfer threads (prefill_writer), its request row p
 Full-family pages (C4, C128, INDEXER) go as the chunks that complete them do; the SWA window, the
 compressor-state tails and the aux slot (first token and the seeded generator's state) go with the
 last chunk. Each job takes the path `transfer.choose_write` expects to be fastest for its pages,
-among those both sides have room for.
+among those both sides have room for. A parallel decode server's other ranks get the same pages
+directly, decode rank r's from this server's rank r mod P (lanes, written beside the job).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from dsv4_engine.disagg.base import PdEngine
 from dsv4_engine.disagg.faults import FaultHooks
-from dsv4_engine.disagg.prefill_writer import Job, TransferWorker
+from dsv4_engine.disagg.prefill_writer import Job, Lane, TransferWorker
 from dsv4_engine.disagg.protocol import AUX_BYTES, PdError, RoomStatus, logprobs_body, pack_aux
 from dsv4_engine.disagg.room import Room
 from dsv4_engine.disagg.transfer import (
@@ -37,6 +38,7 @@ from dsv4_engine.scheduler import SchedulerOutput, Sequence
 _APPEND_ONLY = (StateType.C4, StateType.C128, StateType.INDEXER)
 
 FORCED_PIECES = 4  # pieces of a *_pipelined path a test forces (fewer when the job has fewer pages)
+UNREACHABLE = "127.0.0.1:1"  # the session a lane the fault hooks fail writes to: Mooncake refuses it
 
 
 class ChunkSender:
@@ -54,9 +56,14 @@ class ChunkSender:
         fail_soon: Callable[[Room, PdError], None],
         writer: TransferWorker,
         faults: FaultHooks | None,
+        sources: list[list[StateComponent]] | None = None,
+        steps_sent: Callable[[], int] = lambda: 0,
     ) -> None:
         self.engine = engine
         self.components = components
+        # Every rank's PD buffers (index: rank; rank 0's are `components`): the lanes' sources.
+        self.sources = sources or [components]
+        self.steps_sent = steps_sent  # what a rank must have run before its lane reads the pages
         self.src_types = [c.state_type for c in components]
         self.page_bytes = {c.state_type: sum(c.item_lens) for c in components}
         self.aux = aux  # one slot per request row, registered with the transport
@@ -108,7 +115,8 @@ class ChunkSender:
                 src, dst = {t: [] for t in src}, {t: [] for t in dst}
         room.sent_pages = max(room.sent_pages, done_pages)  # a preempted request's recompute resends nothing
         entries = plan_writes(self.components, room.session.dst_ptrs, src, dst)
-        job = Job(room, entries, self._bytes_by_type(src), final)
+        job = Job(room, entries, self._bytes_by_type(src), final, lanes=self._lanes(room, src, dst))
+        job.after = self.steps_sent()
         shape = write_shape(self.components, src, dst, len(entries))
         if shape.nbytes:
             self._route(job, shape, [(t, spans[t][0], src[t]) for t in src], src_all)
@@ -125,12 +133,28 @@ class ChunkSender:
             job.entries.extend(
                 Entries.one(slot.data_ptr(), room.session.aux_ptr + room.dst_aux * AUX_BYTES, AUX_BYTES)
             )
-        if len(job.entries) or job.pieces or final:
+        if len(job.entries) or job.pieces or job.lanes or final:
             # The row's pages (and its aux slot) stay this request's until the write returned: the
             # scheduler preempts no pinned request, and a freed one keeps them until the unpin.
             self.engine.allocator.pin(seq.req_idx)
             job.row = seq.req_idx
             self.writer.put(job)
+
+    def _lanes(
+        self, room: Room, src: dict[StateType, list[int]], dst: dict[StateType, list[int]]
+    ) -> list[Lane]:
+        """The pages for each other rank of the decode server: decode rank r's straight from this
+        server's rank r mod P (the state is replicated, so any rank has it), over that rank's link."""
+        assert room.session is not None
+        lanes = []
+        for peer_rank, (peer, ptrs) in sorted(room.session.ranks.items()):
+            rank = peer_rank % len(self.sources)
+            entries = plan_writes(self.sources[rank], ptrs, src, dst)
+            if self.faults is not None and self.faults.fail_rank.get(room.room) == rank:
+                peer = UNREACHABLE
+            if len(entries):
+                lanes.append(Lane(rank, peer_rank, peer, entries))
+        return lanes
 
     def _route(
         self,

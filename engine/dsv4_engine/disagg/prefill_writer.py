@@ -18,6 +18,10 @@ reads (allocator.pin), so the scheduler never preempts a request under a write. 
 at its deadline while Mooncake may still move some entries (TransferError.late) keeps its pins,
 its arena span and the room's close until those entries end (SGLang PR#27372's corruption, from
 the sending side).
+
+Lanes (a parallel decode server): each job also carries the same pages for the decode's other ranks,
+decode rank r's written by this server's rank r mod P (disagg/lanes.py), all at once; the job has
+been written only once every lane has, and fails as a whole when any lane fails.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from dataclasses import dataclass, field
 
 from dsv4_engine.disagg.base import EngineCalls, LateWrites, PdEngine, PdMetrics, TransferError, Transport
 from dsv4_engine.disagg.faults import FaultHooks, Hold
+from dsv4_engine.disagg.lanes import AllEnded, RankLinks, RemoteWrite
+from dsv4_engine.disagg.mooncake.config import LATE_MARGIN_SECONDS, transfer_timeout_s
 from dsv4_engine.disagg.protocol import PdError, RoomStatus, stage_segments, staged_bytes
 from dsv4_engine.disagg.room import Room
 from dsv4_engine.disagg.transfer import PACKING, Entries, path_label, plan_packed, plan_writes
@@ -41,6 +47,16 @@ log = logging.getLogger("dsv4.pd.prefill")
 
 Piece = list[tuple[StateType, int, int]]  # (state type, lo, hi) positions in the room's page lists
 LATE_POLL_SECONDS = 0.01  # how often an idle thread asks Mooncake whether late entries ended
+
+
+@dataclass(frozen=True)
+class Lane:
+    """A job's pages for another decode rank, written directly by prefill rank `rank`."""
+
+    rank: int  # the prefill rank that writes it (its own transport, its own pools)
+    peer_rank: int  # the decode rank it lands in
+    peer: str  # that decode rank's Mooncake session
+    entries: Entries
 
 
 @dataclass
@@ -58,6 +74,8 @@ class Job:
     staged_bytes: int = 0
     # What to give back once no entry can read its sources any more (the pin, an arena span).
     release: list[Callable[[], None]] = field(default_factory=list)
+    lanes: list[Lane] = field(default_factory=list)
+    after: int = 0  # step messages a rank must have run before its lane reads the pages
 
 
 @dataclass
@@ -81,8 +99,10 @@ class TransferWorker:
         faults: FaultHooks | None,
         threads: int = 4,
         per_peer: int | None = None,
+        links: RankLinks | None = None,
     ) -> None:
         self.engine = engine
+        self.links = links  # the server's other ranks, which write their lanes
         self.bridge = bridge
         self.transport = transport
         self.components = components
@@ -223,7 +243,7 @@ class TransferWorker:
             return
         assert room.session is not None
         try:
-            self._write(room.session.mooncake_session, job)
+            self._write_lanes(room.session.mooncake_session, job)
         except Exception as exc:  # one failed write blacklists the session until it re-registers
             late = exc.late if isinstance(exc, TransferError) else None
             with self.lock:
@@ -246,6 +266,9 @@ class TransferWorker:
         self._release(job.release)
         for t, n in job.nbytes.items():
             room.bytes_by_type[t] = room.bytes_by_type.get(t, 0) + n
+        for lane in job.lanes:
+            key = (lane.rank, lane.peer_rank)
+            room.lane_bytes[key] = room.lane_bytes.get(key, 0) + lane.entries.nbytes
         if job.final:
             if self.faults is not None:
                 self.faults.sent(room.room)
@@ -256,6 +279,34 @@ class TransferWorker:
     def _release(release: list[Callable[[], None]]) -> None:
         for fn in release:
             fn()
+
+    def _write_lanes(self, peer: str, job: Job) -> None:
+        """The job into decode rank 0 and every lane at once: other ranks' lanes go first (they run
+        on those ranks), then this rank's own; returns once all ended, and raises if any failed, its
+        `late` covering every lane's entries still moving."""
+        remote: list[RemoteWrite] = []
+        for lane in job.lanes:
+            if lane.rank:
+                assert self.links is not None
+                remote.append(self.links.write(lane.rank, lane.peer, lane.entries, job.after))
+        errors: list[str] = []
+        late: list[LateWrites] = []
+        try:
+            self._write(peer, job)
+            for lane in job.lanes:
+                if not lane.rank:
+                    self.transport.write(lane.peer, lane.entries)
+        except TransferError as exc:
+            errors.append(str(exc))
+            late += [exc.late] if exc.late is not None else []
+        finally:  # even on a bug: no lane may still read the pages once this returns
+            bound = 2 * transfer_timeout_s() + LATE_MARGIN_SECONDS  # the rank's own deadline first
+            for w in remote:
+                w.wait(bound)
+                errors += [w.error] if w.error is not None else []
+                late += [w] if w.late else []
+        if errors:
+            raise TransferError("; ".join(errors), AllEnded(late) if late else None)
 
     def _write(self, peer: str, job: Job) -> None:
         """One job into the decode's memory on its path (the aux slot rides with the last entries)."""

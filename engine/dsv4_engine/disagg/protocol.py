@@ -6,7 +6,8 @@ prompt). The prefill server runs a bootstrap endpoint (bootstrap.py); the decode
 
   decode                                   prefill bootstrap (HTTP, one per prefill server)
   GET  /route                         ->   fingerprint, ranks (Mooncake session per rank)
-  PUT  /sessions/{decode_id}          ->   its fingerprint and destination buffer pointers (once)
+  PUT  /sessions/{decode_id}          ->   its fingerprint and destination buffer pointers (once), and
+                                           each other rank's session and pointers (lanes.py)
   PUT  /rooms/{room}                  ->   claims the room: prompt digest and length (at arrival)
   POST /rooms/{room}/transfer         ->   destination pages per state type, aux slot and (if the
                                            decode has room) a staging span; the answer is held

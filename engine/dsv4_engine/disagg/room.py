@@ -27,6 +27,8 @@ class DecodeSession:
     aux_ptr: int
     fingerprint: dict[str, Any]
     staging_ptr: int | None = None  # its staging arena, when it has one
+    # Its other ranks (a parallel decode server): rank -> (Mooncake session, buffer pointers per type).
+    ranks: dict[int, tuple[str, dict[StateType, list[int]]]] = field(default_factory=dict)
     dead: bool = False  # a write to it failed (worker): later rooms fail fast until it registers again
 
 
@@ -62,6 +64,7 @@ class Room:
     close_requested: bool = False  # closed once `late` is back at 0
     closed: bool = False  # every write has ended and the engine was told to free the pages
     bytes_by_type: dict[str, int] = field(default_factory=dict)
+    lane_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, decode rank) -> bytes
     # the loop's
     started: bool = False
     error: PdError | None = None

@@ -326,6 +326,13 @@ class ServerMetrics:
         )
         for path in PD_WRITE_PATHS:
             self.pd_writes.labels(path)
+        self.pd_rank_bytes = Counter(
+            f"{PREFIX}_pd_rank_bytes",
+            "Bytes of paged state each rank of this prefill server wrote to each rank of a decode "
+            "server (decode rank r takes its copy from prefill rank r mod the prefill's size).",
+            ["rank", "peer_rank"],
+            registry=r,
+        )
         self.pd_failures = Counter(
             f"{PREFIX}_pd_failures", "PD requests that failed, by reason.", ["reason"], registry=r
         )

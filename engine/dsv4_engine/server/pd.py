@@ -272,6 +272,15 @@ async def setup(ctx: ServerContext, engine: LLMEngine) -> None:
         from dsv4_engine.memory.staging import StagingArena
 
         staging = StagingArena(s.staging_mib << 20, engine.kv_pool.device)
+    # A parallel server: every other rank starts its own transport over its pools (disagg/lanes.py).
+    links, endpoints = None, []
+    if engine.workers is not None:
+        from dsv4_engine.disagg.lanes import RankLinks
+
+        links = RankLinks(engine.workers.links, engine.steps_sent)
+        endpoints = await asyncio.to_thread(
+            links.start, transfer_host(s), s.transfer_protocol, transfer_threads()
+        )
     faults = None
     if test_hooks.enabled():
         from dsv4_engine.disagg.faults import FaultHooks
@@ -286,11 +295,12 @@ async def setup(ctx: ServerContext, engine: LLMEngine) -> None:
         rooms = ctx.prefill = PrefillRooms(
             engine, ctx.bridge, transport, asyncio.get_running_loop(), fingerprint=fingerprint,
             bootstrap_timeout=s.bootstrap_timeout, metrics=ctx.metrics, staging=staging, faults=faults,
-            threads=transfer_threads(),
+            threads=transfer_threads(), links=links, endpoints=endpoints,
         )  # fmt: skip
         port = s.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
         ctx.bootstrap_server = await serve_bootstrap(create_bootstrap_app(rooms), s.host, port)
-        log.info("bootstrap endpoint on %s:%d, Mooncake session %s", s.host, port, transport.session_id)
+        log.info("bootstrap endpoint on %s:%d, Mooncake sessions %s", s.host, port,
+                 [transport.session_id] + [e.session for e in endpoints])  # fmt: skip
     else:
         from dsv4_engine.disagg.decode import DecodeReceiver
 
@@ -307,9 +317,10 @@ async def setup(ctx: ServerContext, engine: LLMEngine) -> None:
             engine, ctx.bridge, transport, fingerprint=fingerprint, waiting_timeout=s.waiting_timeout,
             heartbeat_interval=s.heartbeat_interval, heartbeat_failures=s.heartbeat_failures,
             quarantine=quarantine_seconds(dict(os.environ)), metrics=ctx.metrics, may_queue=may_queue,
-            reserve_tokens=reserved_tokens(), staging=staging, faults=faults,
+            reserve_tokens=reserved_tokens(), staging=staging, faults=faults, endpoints=endpoints,
         )  # fmt: skip
-        log.info("decode receiver %s, Mooncake session %s", receiver.decode_id, transport.session_id)
+        log.info("decode receiver %s, Mooncake sessions %s", receiver.decode_id,
+                 [transport.session_id] + [e.session for e in endpoints])  # fmt: skip
 
 
 async def shutdown(ctx: ServerContext) -> None:

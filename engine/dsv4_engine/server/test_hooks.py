@@ -95,6 +95,14 @@ async def skip(request: Request, room: int) -> JSONResponse:
     return JSONResponse({"skipped": room})
 
 
+@router.post("/pd/fail_rank")
+async def fail_rank(request: Request, room: int, rank: int) -> JSONResponse:
+    """Prefill: rank `rank`'s writes of room `room` to a parallel decode's other ranks go to a session
+    Mooncake refuses, so that rank's part of the transfer fails."""
+    _faults(request).fail_rank[room] = rank
+    return JSONResponse({"failing": {"room": room, "rank": rank}})
+
+
 @router.get("/pd/live")
 async def live(request: Request) -> JSONResponse:
     """A digest of every page of every running request (disagg/faults.live_digests), taken between
