@@ -97,8 +97,6 @@ class EngineConfig:
             kernels = os.environ.get(KERNELS_ENV, "1") != "0"
         resolved_device = select_device(device)
         drafts = asked.num_draft_tokens()
-        if drafts and asked.tp_size > 1:
-            raise ValueError("speculative decoding runs on one rank so far: use --tp-size 1")
         return cls(
             model=Path(model),
             device=resolved_device,

@@ -91,6 +91,9 @@ class Followers(Protocol):
 
     def send(self, journal: list[tuple[str, tuple]], step: StepPlan) -> None: ...
 
+    def draft(self, rows: list[DraftRow]) -> None:
+        """Have them run the MTP layer over the rows too (its modules are sharded like the rest)."""
+
 
 class ModelRunner:
     def __init__(
@@ -164,12 +167,17 @@ class ModelRunner:
         return len(self.decode_buckets)
 
     # ---- forwards ------------------------------------------------------------------------------
-    def forward(self, step: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None, ForwardBatch | None]:
-        """Every rank's part of a step: (decode logits `[n_dec, V]` fp32, prefill hidden states,
-        their batch); None for a part the step does not have."""
-        decode_logits = self.decode(step)[0] if step.decode_specs else None
-        hidden, batch, _ = self.extend(step)
-        return decode_logits, hidden, batch
+    def forward(self, step: StepPlan) -> torch.Tensor | None:
+        """A follower rank's part of a step (ranks.py): the forwards, then the step's last-layer
+        streams (decode rows, then prefill rows), which `draft` reads; None without a drafter."""
+        decode_streams = self.decode(step)[1] if step.decode_specs else None
+        _, _, extend_streams = self.extend(step)
+        return _step_streams(decode_streams, extend_streams) if self.drafter is not None else None
+
+    def draft(self, rows: list[DraftRow], streams: torch.Tensor | None) -> dict[str, list[int]]:
+        """The MTP layer over the rows (rank 0's choice, every rank runs it): request id -> drafts."""
+        assert self.drafter is not None and (streams is not None or not rows)
+        return self.drafter.propose(rows, streams) if streams is not None else {}
 
     def extend(self, step: StepPlan) -> tuple[torch.Tensor | None, ForwardBatch | None, torch.Tensor | None]:
         """The step's extend forward over its prefill chunks: (final hidden states, the batch, the
@@ -242,15 +250,17 @@ class ModelRunner:
         if self.followers is not None:  # the server's other ranks run the same forwards
             self.followers.send(self.allocator.take_journal(), step)
         logits: dict[int, torch.Tensor] = {}  # chunk index -> logits of its rows that need them
-        streams: dict[int, torch.Tensor] = {}  # chunk index -> its rows' last-layer streams
+        spans: dict[int, int] = {}  # chunk index -> its first row in the step's streams
+        decode_streams = None
         if step.decode_specs:
             decode_logits, decode_streams = self.decode(step)
             lo = 0
             for i, c in enumerate(out.chunks[: step.num_decode_chunks]):
                 hi = lo + len(c.token_ids)
-                logits[i], streams[i] = decode_logits[lo:hi], decode_streams[lo:hi]
+                logits[i], spans[i] = decode_logits[lo:hi], lo
                 lo = hi
         hidden, batch, extend_streams = self.extend(step)
+        num_decode_rows = len(step.decode_specs)
         if hidden is not None and batch is not None and extend_streams is not None:
             rows: list[torch.Tensor] = []  # the hidden rows whose logits are needed, in one lm_head call
             needs: list[tuple[int, int]] = []
@@ -258,7 +268,7 @@ class ModelRunner:
                 i += step.num_decode_chunks
                 if c.seq.params.prompt_logprobs is not None:  # only requests that ask pay for every row
                     _prompt_logprobs(self.model, self.kernels, c, hidden[s.rows])
-                streams[i] = extend_streams[s.rows]
+                spans[i] = num_decode_rows + s.rows.start
                 if c.drafts or c.sample:  # a verify (reference mode) needs every row, a sample its last
                     rows.append(hidden[s.rows] if c.drafts else hidden[s.rows.stop - 1 : s.rows.stop])
                     needs.append((i, len(rows[-1])))
@@ -277,7 +287,7 @@ class ModelRunner:
             last = torch.cat([logits[i][-1:] for i, c in enumerate(out.chunks) if c.sample and not c.drafts])
             self._sample(sampled, last, eos_token_ids, grammar, new_tokens)
         if self.drafter is not None:
-            self._draft([(c, streams[i]) for i, c in enumerate(out.chunks)], new_tokens)
+            self._draft(out.chunks, spans, _step_streams(decode_streams, extend_streams), new_tokens)
         return new_tokens
 
     def _sample(
@@ -312,27 +322,39 @@ class ModelRunner:
         new_tokens.update({s.request_id: [t] for s, t in zip(seqs, tokens, strict=True)})
 
     def _draft(
-        self, parts: list[tuple[ScheduledChunk, torch.Tensor]], new_tokens: dict[str, list[int]]
+        self,
+        chunks: list[ScheduledChunk],
+        spans: dict[int, int],
+        streams: torch.Tensor,
+        new_tokens: dict[str, list[int]],
     ) -> None:
-        """The MTP layer over every speculating request's positions of this step (chunk, its
-        streams): what the target computed (for a verify, its kept drafts and the token after them),
-        each with the token after it; drafts for the next step of those that sampled."""
-        assert self.drafter is not None
+        """The MTP layer over every speculating request's positions of this step (each chunk's rows
+        start at `spans[i]` in the step's `streams`): what the target computed (for a verify, its kept
+        drafts and the token after them), each with the token after it; drafts for the next step of
+        those that sampled. A parallel server's other ranks run the same rows (`Followers.draft`)."""
         rows = []
-        for c, streams in parts:
+        for i, c in enumerate(chunks):
             seq = c.seq
             if not speculates(seq.params) or seq.req_idx is None:
                 continue
             got = new_tokens.get(seq.request_id, [])
-            n = len(got) if c.drafts else len(streams)  # a verify computed its kept drafts and one more
+            n = len(got) if c.drafts else len(c.token_ids)  # a verify computed its kept drafts and one more
             following = [*seq.all_token_ids, *got][c.start + 1 : c.start + n + 1]
             if len(following) < n:  # an unfinished prefill's chunk ends where its prompt does not
                 continue
-            rows.append(DraftRow(seq.request_id, seq.req_idx, c.start, streams[:n], following, c.sample))
-        drafts = self.drafter.propose(rows)
-        for c, _ in parts:
+            rows.append(DraftRow(seq.request_id, seq.req_idx, c.start, spans[i], following, c.sample))
+        if self.followers is not None:
+            self.followers.draft(rows)
+        drafts = self.draft(rows, streams)
+        for c in chunks:
             if c.sample:
                 c.seq.draft_token_ids = drafts.get(c.seq.request_id, [])
+
+
+def _step_streams(decode: torch.Tensor | None, extend: torch.Tensor | None) -> torch.Tensor | None:
+    """A step's last-layer streams in one tensor: the decode rows, then the prefill rows."""
+    parts = [t for t in (decode, extend) if t is not None]
+    return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else None
 
 
 def _prompt_logprobs(

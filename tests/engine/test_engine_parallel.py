@@ -57,3 +57,37 @@ def test_parallel_greedy_equals_one_rank_and_hf(
     same = sum(a == b for a, b in zip(tokens, one_rank, strict=True))
     print(f"tp {tp} ep {ep}: {same}/{len(LENGTHS)} outputs equal to one rank's, {excused} excused vs HF")
     assert same == len(LENGTHS) or excused
+
+
+def test_speculative_decoding_on_two_ranks() -> None:
+    """Speculative decoding on a 2-rank server: every rank runs the sharded MTP layer over the rows
+    rank 0 chose (ranks.py "draft" messages), so the drafts are accepted as on one rank and the
+    greedy output is one rank's without speculation. The demo model's trained MTP layer, on text it
+    was trained on, drafts tokens the target keeps: a rank that drafted from other streams or skipped
+    its MTP rows would collide in the collectives or propose rejected tokens."""
+    from pydoc_data.topics import topics
+
+    from dsv4_engine.demo import bundled
+
+    demo = bundled()
+    prompts = [text[:200] for text in list(topics.values())[:3]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(**kwargs: object) -> tuple[list[list[int]], dict[str, float], LLM]:
+        llm = LLM(demo, dtype="float32", max_model_len=512, max_num_seqs=4, num_pages=64, **kwargs)
+        try:
+            return [o.token_ids for o in llm.generate(prompts, params)], llm.engine.metrics(), llm
+        finally:
+            llm.close()
+
+    plain, _, _ = run()
+    _, alone, _ = run(speculative_num_steps=2)
+    spec, m, llm = run(tp_size=2, speculative_num_steps=2)
+    assert spec == plain
+    counters = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    assert {c: m[c] for c in counters} == {c: alone[c] for c in counters}  # the same drafts, kept alike
+    assert m["spec_decode_num_accepted_tokens"] > 0
+    for fam in ("full", "swa", "c4s", "c128s"):  # the prefix cache's pages are evictable, not lost
+        assert m[f"pool_available/{fam}"] == m[f"pool_total/{fam}"], fam
+    workers = llm.engine.workers
+    assert workers is not None and all(p.exitcode == 0 for p in workers.processes)

@@ -66,8 +66,8 @@ def _oracle(drafter: Drafter, truth: dict[str, list[int]], rng: random.Random) -
     draft corrupted with probability 0.3 (what follows a corrupt draft is rejected anyway)."""
     propose = drafter.propose
 
-    def oracle(rows):  # type: ignore[no-untyped-def]
-        proposed = propose(rows)  # the MTP layer still runs and fills its rows
+    def oracle(rows, streams):  # type: ignore[no-untyped-def]
+        proposed = propose(rows, streams)  # the MTP layer still runs and fills its rows
         out = {}
         for r in rows:
             if r.request_id in proposed:

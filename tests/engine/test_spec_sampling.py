@@ -91,8 +91,8 @@ def test_seeded_sampling_keeps_its_distribution(mtp_checkpoints: dict[str, Path]
     likely = [c.most_common(1)[0][0] for c in off] + [0, 0]
     propose = drafter.propose
 
-    def fixed(rows):  # type: ignore[no-untyped-def]
-        drafts = propose(rows)
+    def fixed(rows, streams):  # type: ignore[no-untyped-def]
+        drafts = propose(rows, streams)
         index = {r.request_id: r.start + len(r.next_ids) - len(prompt) for r in rows}  # of the pending token
         return {rid: likely[index[rid] + 1 : index[rid] + 1 + len(d)] for rid, d in drafts.items()}
 

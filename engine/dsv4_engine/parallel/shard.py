@@ -108,7 +108,8 @@ def _split(n: int, parts: int, part: int) -> Range:
     return (part * size, (part + 1) * size)
 
 
-_LAYER = re.compile(r"^model\.layers\.\d+\.(.+)$")
+# A decoder layer's tensors: the main layers' and the MTP layer's (a decoder layer split the same way).
+_LAYER = re.compile(r"^(?:model\.layers|mtp)\.\d+\.(.+)$")
 
 
 def shard_for(name: str, full: tuple[int, ...], config: Dsv4Config, parallel: Parallel) -> Shard | None:
@@ -167,7 +168,11 @@ def model_shards(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], Sha
     from dsv4_engine.model import Dsv4ForCausalLM
 
     with torch.device("meta"):
-        full_model = Dsv4ForCausalLM(model.config, max_positions=1)  # type: ignore[arg-type]
+        full_model = Dsv4ForCausalLM(
+            model.config,  # type: ignore[arg-type]
+            max_positions=1,
+            mtp=getattr(model, "mtp", None) is not None,
+        )
     full_shapes = {k: tuple(v.shape) for k, v in full_model.state_dict(keep_vars=True).items()}
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():

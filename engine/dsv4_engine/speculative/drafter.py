@@ -23,14 +23,16 @@ from dsv4_engine.speculative.draft_cache import DraftCache
 @dataclass(frozen=True)
 class DraftRow:
     """What one request gives the drafter after a step: positions [start, start + len(next_ids))
-    just computed by the target, their streams (`[len, hc, hidden]`), and the token that follows
-    each (the last: the token the step sampled, or the next prompt token of an unfinished prefill).
-    draft: whether to propose tokens (its next step decodes)."""
+    just computed by the target, whose streams are rows [lo, lo + len(next_ids)) of the step's
+    last-layer streams (decode rows, then prefill rows), and the token that follows each (the last:
+    the token the step sampled, or the next prompt token of an unfinished prefill). draft: whether to
+    propose tokens (its next step decodes). No tensor: rank 0 sends the rows to a parallel server's
+    other ranks, which draft from their own copy of the streams (ranks.py)."""
 
     request_id: str
     req_idx: int
     start: int
-    streams: torch.Tensor
+    lo: int
     next_ids: list[int]
     draft: bool
 
@@ -72,11 +74,13 @@ class Drafter:
         hidden = self.mtp.hidden(streams, self.kernels)
         return self.model.compute_logits(hidden, self.kernels).argmax(dim=-1).tolist()
 
-    def propose(self, rows: list[DraftRow]) -> dict[str, list[int]]:
-        """Fill the MTP rows of every row's positions; k drafts for each row with `draft`."""
+    def propose(self, rows: list[DraftRow], streams: torch.Tensor) -> dict[str, list[int]]:
+        """Fill the MTP rows of every row's positions; k drafts for each row with `draft`. streams:
+        the step's last-layer streams `[rows, hc, hidden]`, which the rows index."""
         if not rows:
             return {}
-        out = self._pass([(r, r.start, r.next_ids) for r in rows], torch.cat([r.streams for r in rows]))
+        picked = torch.cat([torch.arange(r.lo, r.lo + len(r.next_ids)) for r in rows]).to(streams.device)
+        out = self._pass([(r, r.start, r.next_ids) for r in rows], streams.index_select(0, picked))
         ends = torch.tensor([len(r.next_ids) for r in rows]).cumsum(0) - 1
         drafting = [i for i, r in enumerate(rows) if r.draft]
         if not drafting or self.k == 0:
