@@ -9,8 +9,9 @@ Accepted checkpoints (single `model.safetensors`, sharded `model.safetensors.ind
   FP4-packed experts (see quant.py), dequantised here on CPU, tensor by tensor;
 - the Ascend W8A8 release: int8 `X.weight` with per-channel `X.weight_scale` (and a zero
   `X.weight_offset`), dequantised like FP8 by default; with `keep_int8` (an engine whose kernel set runs
-  W8A8 natively, `KernelSet.native_w8a8`: NPU) a module that takes int8 weights (`int8_weights`) keeps
-  them, its per-channel scales beside them as `weight_scale`;
+  W8A8 natively, `KernelSet.native_w8a8`: NPU) a module that takes int8 weights (`int8_weights`: the
+  projections, the routed experts) keeps them, its per-row scales beside each as `<name>_scale`
+  (`weight_scale`; `gate_up_proj_scale` and `down_proj_scale` for the stacked experts);
 - `mtp.*` (the multi-token-prediction layer) fills the model's MTP layer when it has one
   (speculative decoding on), and is otherwise skipped and counted.
 
@@ -31,7 +32,16 @@ import torch
 from safetensors import safe_open
 
 from dsv4_engine import quant
-from dsv4_engine.ckpt_plan import INDEX_FILE, SINGLE_FILE, CheckpointError, block_size, checkpoint_files, plan
+from dsv4_engine.ckpt_plan import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    Piece,
+    block_size,
+    checkpoint_files,
+    plan,
+)
+from dsv4_engine.parallel.shard import Shard, model_shards
 
 # What callers name from here: the loading, and what they need to find or refuse a checkpoint.
 __all__ = [
@@ -102,19 +112,46 @@ def _cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def _int8_owner(model: torch.nn.Module, target: str) -> torch.nn.Module | None:
-    """The module whose `weight` is `target`, if it runs int8 weights (`int8_weights`, a class flag:
-    its forward sends them to the set's `quant_linear`); else None."""
+    """The module whose parameter `target` is, if it runs int8 weights (`int8_weights`, a class flag:
+    its forward sends them to the set's `quant_linear` or `quant_routed_experts`); else None."""
     owner, _, leaf = target.rpartition(".")
     module = model.get_submodule(owner) if owner else model
-    return module if leaf == "weight" and getattr(module, "int8_weights", False) else None
+    param = isinstance(getattr(module, leaf, None), torch.nn.Parameter)
+    return module if param and getattr(module, "int8_weights", False) else None
 
 
-def _keep_int8(module: torch.nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> None:
-    """Swap the module's weight for the int8 one and put its per-row float32 scales beside it (not in
-    the state dict, whose names stay the checkpoint's), on the weight's device."""
-    device = module.weight.device
-    module.weight = torch.nn.Parameter(weight.to(device), requires_grad=False)
-    module.register_buffer("weight_scale", scale.to(device, torch.float32), persistent=False)
+def _int8_targets(
+    model: torch.nn.Module, pieces: list[Piece], targets: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The targets kept int8 (keep_int8): every piece W8A8 (one for a projection, one per expert and
+    half for the routed experts) and the owner taking int8. Each becomes an int8 parameter of its
+    shape (in `targets` too) beside a float32 buffer `<name>_scale`, its shape less the input dim (one
+    scale per output row: `[O]`, `[E, 2I]`, `[E, D]`), outside the state dict, whose names stay the
+    checkpoint's. Returns target -> its scales."""
+    kinds: dict[str, set[str]] = {}
+    for p in pieces:
+        kinds.setdefault(p.target, set()).add(p.kind)
+    scales = {}
+    for name, kind in kinds.items():
+        owner = _int8_owner(model, name)
+        if kind != {"w8a8"} or owner is None:
+            continue
+        leaf, old = name.rpartition(".")[2], targets[name]
+        weight = torch.nn.Parameter(
+            torch.zeros(old.shape, dtype=torch.int8, device=old.device), requires_grad=False
+        )
+        setattr(owner, leaf, weight)
+        scales[name] = torch.zeros(old.shape[:-1], dtype=torch.float32, device=old.device)
+        owner.register_buffer(f"{leaf}_scale", scales[name], persistent=False)
+        targets[name] = weight
+    return scales
+
+
+def _row_shard(scale: torch.Tensor, shard: Shard | None) -> torch.Tensor:
+    """A rank's part of a weight's per-row scales: the rows it keeps when it splits the rows (dim 0);
+    every scale when it splits the inputs."""
+    rows = shard.ranges.get(0) if shard is not None else None
+    return Shard({0: rows}).take(scale) if rows else scale
 
 
 def load_checkpoint(
@@ -130,16 +167,15 @@ def load_checkpoint(
 
     dtype: None keeps the model's dtypes; "auto" is float32 on CPU; a dtype converts floating tensors to it
     first (except those HF keeps in float32: norms, sinks, hyper-connections, compressor biases).
-    keep_int8: W8A8 weights of modules that take int8 (`int8_weights`) stay int8 with their per-channel
-    scales (the caller's kernel set runs `quant_linear` natively: `KernelSet.native_w8a8`); other W8A8
-    weights (experts, grouped or plain torch projections) and every W8A8 weight by default are
-    dequantised to the model's dtype like FP8.
+    keep_int8: W8A8 weights of modules that take int8 (`int8_weights`: projections, routed experts)
+    stay int8 with their per-row scales, sharded as their rows are (the caller's kernel set runs
+    `quant_linear` and `quant_routed_experts` natively: `KernelSet.native_w8a8`); other W8A8 weights
+    (the grouped o_a projection) and every W8A8 weight by default are dequantised to the model's dtype
+    like FP8.
     Each checkpoint tensor is read, dequantised and cast on its own, then copied into place. A rank of
     a parallel server (`model.parallel`) reads only its shard of each split tensor (parallel/shard.py);
     quantised ones are read whole, since their scales cover blocks across the split.
     """
-    from dsv4_engine.parallel.shard import Shard, model_shards
-
     start = time.perf_counter()
     report = LoadReport(path=str(path))
     want = resolve_dtype(dtype, device)
@@ -152,6 +188,7 @@ def load_checkpoint(
     shards = model_shards(model) if hasattr(model, "parallel") else {}
     full_shapes = {k: full for k, (full, _) in shards.items()}
     pieces, report.skipped_names = plan(files, targets, block, str(path), full_shapes)
+    int8 = _int8_targets(model, pieces, targets) if keep_int8 else {}
     report.skipped_mtp = len(report.skipped_names)
     total = sum(p.nbytes for p in pieces)
     step = max(total // 10, 1)
@@ -198,7 +235,6 @@ def load_checkpoint(
                 continue
             t = read(p.key, p.file)
             report.tensors_read += 1
-            kept = False
             if p.kind == "w8a8":
                 scale = read(p.scale_key, p.scale_file)
                 offset = read(p.offset_key, p.offset_file) if p.offset_key else None
@@ -208,13 +244,9 @@ def load_checkpoint(
                     quant.check_w8a8_offset(offset, t.shape[0])
                 except ValueError as e:
                     raise CheckpointError(f"{p.key}: {e}") from e
-                owner = _int8_owner(model, p.target) if keep_int8 and index is None else None
-                if owner is not None:
-                    if shard is not None:  # split rows keep their scales; split columns share them all
-                        rows = shard.ranges.get(0)
-                        t, scale = shard.take(t), Shard({0: rows}).take(scale) if rows else scale
-                    _keep_int8(owner, t, scale)
-                    kept = True
+                if p.target in int8:  # the weight goes in as is; its scales beside it, rows alike
+                    into = int8[p.target]
+                    (into if index is None else into[index]).copy_(_row_shard(scale, shard))
                     report.kept_int8 += 1
                 else:
                     t = quant.dequant_w8a8(t, scale)
@@ -228,11 +260,10 @@ def load_checkpoint(
                 else:
                     t = quant.dequant_fp4(t, scale)
                     report.dequantized_fp4 += 1
-            if not kept:
-                if shard is not None:
-                    t = shard.take(t)
-                view = dest.data if index is None else dest.data[index]
-                view.copy_(t.to(dtype=dest.dtype))
+            if shard is not None:
+                t = shard.take(t)
+            view = dest.data if index is None else dest.data[index]
+            view.copy_(t.to(dtype=dest.dtype))
             filled.add(p.target)
             report.bytes_read += p.nbytes
             if verbose and report.bytes_read >= next_log:

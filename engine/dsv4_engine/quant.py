@@ -14,7 +14,8 @@ And the Ascend W8A8 release (msmodelslim's W8A8_DYNAMIC; docs/checkpoints.md):
 - W8A8: `X.weight` is int8 `[O, I]` (not packed), `X.weight_scale` one scale per output channel `[O, 1]`
   (float32 or bfloat16), `X.weight_offset` its zero point `[O, 1]`, zero (symmetric); the real weight is
   `weight * scale[r]`. Activations are quantised at run time, per token (`quant_per_token`): on an NPU by
-  `npu_dynamic_quant`, then `npu_quant_matmul` multiplies in int8 with int32 accumulation.
+  `npu_dynamic_quant`, then `npu_quant_matmul` (projections) or `npu_grouped_matmul` (routed experts,
+  `grouped_matmul_scale`) multiplies in int8 with int32 accumulation.
 """
 
 from __future__ import annotations
@@ -183,6 +184,13 @@ def quant_w8a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     scale = (w.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     q = torch.round(w / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale, torch.zeros_like(scale)
+
+
+def grouped_matmul_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A per-channel W8A8 scale as npu_grouped_matmul takes it beside per-token scales on A2/A3, for a
+    `dtype` output: bfloat16 for bfloat16, float32 for float16 (its only two pairings, unlike
+    npu_quant_matmul's); float32 for any other (host) dtype. The host forms round it alike."""
+    return scale.to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
 
 
 def quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """The `--quant w8a8` checkpoint, the Ascend W8A8 release's layout: what make-tiny writes, what the
 loader makes of it on CPU (dequantised: every weight within half an int8 step of the original, logits
-close to the fp32 model's), what it keeps int8 for a set that runs W8A8 itself (NPU), and the headers
+close to the fp32 model's), what it keeps int8 for a set that runs W8A8 itself (NPU: the projections
+and the stacked routed experts, each with its scales, sharded alike on parallel ranks), and the headers
 it refuses before reading any data."""
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from dsv4_engine.ckpt_names import hf_name
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.loader import CheckpointError, LoadReport, load_checkpoint
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
+from dsv4_engine.model.moe import Experts
 from dsv4_engine.model.ops import Linear
 from dsv4_engine.parallel.groups import Parallel
+from dsv4_engine.parallel.shard import Shard, shard_for
 from dsv4_engine.testing import dense_cache
 
 # What the release quantises (a third-party reading of its quant_model_description.json, and the FP8
@@ -123,10 +126,17 @@ def test_logits_stay_close_to_the_fp32_original(tiny_ckpt: Path, tiny_w8a8_ckpt:
     assert ((top2[:, 0] - top2[:, 1])[flips] < 0.75).all()
 
 
-def test_keep_int8_leaves_the_linears_int8_with_their_scales(tiny_w8a8_ckpt: Path) -> None:
+def _scale_of(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The per-row scales the loader keeps beside the int8 tensor `name` (`<leaf>_scale`)."""
+    owner, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(owner), f"{leaf}_scale")
+
+
+def test_keep_int8_leaves_the_linears_and_experts_int8_with_their_scales(tiny_w8a8_ckpt: Path) -> None:
     """Where a module takes int8 weights, keep_int8 leaves them int8 with their per-row scales beside
-    them (float32 `[O]`, outside the state dict, whose names do not change); the routed experts and the
-    grouped o_a projection are dequantised as on CPU."""
+    them (float32, outside the state dict, whose names do not change): a projection's `[O]`, the
+    stacked routed experts' `[E, 2I]` (w1's rows, then w3's) and `[E, D]`. The grouped o_a projection
+    is dequantised as on CPU."""
     model, report = _load(tiny_w8a8_ckpt, keep_int8=True)
     deq, _ = _load(tiny_w8a8_ckpt)
     raw = _tensors(tiny_w8a8_ckpt)
@@ -136,53 +146,76 @@ def test_keep_int8_leaves_the_linears_int8_with_their_scales(tiny_w8a8_ckpt: Pat
     assert attn.q_a_proj.weight_scale.dtype == torch.float32
     assert torch.equal(attn.q_a_proj.weight_scale, raw["layers.1.attn.wq_a.weight_scale"].flatten())
     assert attn.o_a_proj.weight.dtype == torch.float32  # GroupedLinear: dequantised
-    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float32
+    experts = model.model.layers[2].mlp.experts
+    inter = model.config.moe_intermediate_size
+    assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.int8
+    assert experts.gate_up_proj_scale.shape == (experts.num_experts, 2 * inter)
+    assert experts.down_proj_scale.shape == (experts.num_experts, model.config.hidden_size)
+    for e in range(experts.num_experts):
+        stem = f"layers.2.ffn.experts.{e}"
+        for weight, scale, part in [
+            (experts.gate_up_proj[e, :inter], experts.gate_up_proj_scale[e, :inter], "w1"),
+            (experts.gate_up_proj[e, inter:], experts.gate_up_proj_scale[e, inter:], "w3"),
+            (experts.down_proj[e], experts.down_proj_scale[e], "w2"),
+        ]:
+            assert torch.equal(weight, raw[f"{stem}.{part}.weight"]), (e, part)
+            assert torch.equal(scale, raw[f"{stem}.{part}.weight_scale"].flatten()), (e, part)
     int8 = {n for n, t in model.state_dict().items() if t.dtype == torch.int8}
     per_layer = {"q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj"}
-    assert {n.split(".")[-2] for n in int8} == per_layer
+    assert {n.split(".")[-2] for n in int8} == per_layer | {"experts"}
     csa = sum(r == 4 for r in model.config.compress_ratios)  # each CSA layer's indexer has a q_b too
-    assert len(int8) == len(model.model.layers) * len(per_layer) + csa
-    assert report.kept_int8 == len(int8) and report.dequantized_w8a8 > 0
+    layers = len(model.model.layers)
+    assert len(int8) == layers * (len(per_layer) + 2) + csa
+    kept = layers * (len(per_layer) + 3 * experts.num_experts) + csa  # w1, w3, w2 per expert
+    assert report.kept_int8 == kept and report.dequantized_w8a8 == layers  # o_a
     assert set(model.state_dict()) == set(deq.state_dict())
-    assert not any(n.endswith("weight_scale") for n in model.state_dict())
-    # The dequantised model is the int8 one with its scales applied.
-    for name, t in model.state_dict().items():
-        if t.dtype == torch.int8:
-            owner = model.get_submodule(name.removesuffix(".weight"))
-            assert torch.equal(deq.state_dict()[name], t.float() * owner.weight_scale[:, None]), name
+    assert not any(n.endswith(("weight_scale", "proj_scale")) for n in model.state_dict())
+    # The dequantised model is the int8 one with its scales applied, row by row.
+    for name in int8:
+        t = model.state_dict()[name]
+        assert torch.equal(deq.state_dict()[name], t.float() * _scale_of(model, name)[..., None]), name
 
 
 def test_keep_int8_does_nothing_until_a_module_takes_int8(
     tiny_w8a8_ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without a module's `int8_weights` flag every W8A8 weight is dequantised, keep_int8 or not."""
+    """Without a module's `int8_weights` flag every W8A8 weight is dequantised, keep_int8 or not; the
+    routed experts' flag alone keeps only theirs."""
     monkeypatch.setattr(Linear, "int8_weights", False)
+    model, report = _load(tiny_w8a8_ckpt, keep_int8=True)
+    int8 = {n.rpartition(".")[2] for n, t in model.state_dict().items() if t.dtype == torch.int8}
+    assert int8 == {"gate_up_proj", "down_proj"} and report.dequantized_w8a8 > 0
+    monkeypatch.setattr(Experts, "int8_weights", False)
     model, report = _load(tiny_w8a8_ckpt, keep_int8=True)
     assert report.kept_int8 == 0 and report.dequantized_w8a8 > 0
     assert all(t.dtype != torch.int8 for t in model.state_dict().values())
 
 
-def test_keep_int8_on_tensor_parallel_ranks(tiny_w8a8_ckpt: Path) -> None:
-    """Two ranks: a split along the output rows (q_b, the shared expert's gate) takes the scales'
-    rows with the weight's; a split along the inputs (o_b, the shared down) keeps every scale. The
-    ranks' parts put together are the whole int8 weight and its scales."""
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["tp2", "tp2-ep2"])
+def test_keep_int8_on_parallel_ranks(tiny_w8a8_ckpt: Path, ep_size: int) -> None:
+    """Two ranks: a split along the output rows (q_b, the shared expert's gate, the routed experts'
+    gate and up halves) takes the scales' rows with the weight's; a split along the inputs (o_b, the
+    shared and routed down) keeps every row's scale; an expert split (ep2) takes its experts' scales.
+    Every int8 tensor and its scales on a rank are the rank's shard of the whole ones."""
     full, _ = _load(tiny_w8a8_ckpt, keep_int8=True)
-    ranks = [_load(tiny_w8a8_ckpt, keep_int8=True, parallel=Parallel(rank=r, tp_size=2))[0] for r in (0, 1)]
-    for path, dim in [
-        ("model.layers.1.self_attn.q_b_proj", 0),
-        ("model.layers.1.mlp.shared_experts.gate_proj", 0),
-        ("model.layers.1.self_attn.o_b_proj", 1),
-        ("model.layers.1.mlp.shared_experts.down_proj", 1),
-    ]:
-        whole = full.get_submodule(path)
-        parts = [m.get_submodule(path) for m in ranks]
-        assert all(p.weight.dtype == torch.int8 for p in parts), path
-        assert torch.equal(torch.cat([p.weight for p in parts], dim), whole.weight), path
-        scales = [p.weight_scale for p in parts]
-        joined = torch.cat(scales) if dim == 0 else scales[0]
-        assert torch.equal(joined, whole.weight_scale), path
-        if dim == 1:
-            assert torch.equal(scales[1], whole.weight_scale), path
+    whole = full.state_dict()
+    for rank in (0, 1):
+        parallel = Parallel(rank=rank, tp_size=2, ep_size=ep_size)
+        model, _ = _load(tiny_w8a8_ckpt, keep_int8=True, parallel=parallel)
+        int8 = {n: t for n, t in model.state_dict().items() if t.dtype == torch.int8}
+        assert len(int8) == sum(t.dtype == torch.int8 for t in whole.values())
+        split = {"layers.1.self_attn.q_b_proj.weight", "layers.1.mlp.experts.gate_up_proj"}
+        for name, t in int8.items():
+            shard = shard_for(name, tuple(whole[name].shape), model.config, parallel)
+            if shard is None:  # replicated
+                assert torch.equal(t, whole[name]), name
+                assert torch.equal(_scale_of(model, name), _scale_of(full, name)), name
+                continue
+            split.discard(name.removeprefix("model."))
+            assert torch.equal(t, shard.take(whole[name])), name
+            rows = Shard({d: r for d, r in shard.ranges.items() if d < t.dim() - 1})  # the input dim's go
+            assert torch.equal(_scale_of(model, name), rows.take(_scale_of(full, name))), name
+        assert not split  # both kinds of split were seen
 
 
 def test_bad_w8a8_headers_are_all_named(tiny_w8a8_ckpt: Path, tmp_path: Path) -> None:

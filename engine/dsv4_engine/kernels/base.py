@@ -35,8 +35,9 @@ class KernelSet(ABC):
     decode variants."""
 
     name: ClassVar[str]
-    # Whether `quant_linear` is the device's own W8A8 matmul, so a loader should keep W8A8 weights int8
-    # for this set (`loader.load_checkpoint(keep_int8=...)`); elsewhere they are dequantised at load.
+    # Whether `quant_linear` and `quant_routed_experts` are the device's own W8A8 matmuls, so a loader
+    # should keep W8A8 weights int8 for this set (`loader.load_checkpoint(keep_int8=...)`); elsewhere
+    # they are dequantised at load (the torch forms of both ops exist for tests only).
     native_w8a8: ClassVar[bool] = False
 
     @abstractmethod
@@ -119,6 +120,23 @@ class KernelSet(ABC):
         """Sum over each row's (expert, weight) pairs of `down_e @ swiglu(gate_up_e @ x)` `[T, D]`;
         gate_up `[E, 2I, D]` (gate rows first), down `[E, D, I]`, ids `[T, k]` local expert ids, -1
         for a pair another rank holds (skipped); swiglu clamps gate to <= limit, up to [-limit, limit]."""
+
+    @abstractmethod
+    def quant_routed_experts(
+        self,
+        x: Tensor,
+        gate_up: Tensor,
+        gate_up_scale: Tensor,
+        down: Tensor,
+        down_scale: Tensor,
+        ids: Tensor,
+        weights: Tensor,
+        limit: float,
+    ) -> Tensor:
+        """`routed_experts` with W8A8 experts: int8 gate_up `[E, 2I, D]` and down `[E, D, I]`, their
+        float32 per-expert, per-row scales `[E, 2I]` and `[E, D]`. Each matmul's input is quantised to
+        int8 per row (x, then the SwiGLU output), summed in int32, rescaled by both scales (the weight's
+        as `quant.grouped_matmul_scale` rounds it for x's dtype) into x's dtype."""
 
     @abstractmethod
     def shared_expert(self, x: Tensor, gate_up: Tensor, down: Tensor, limit: float) -> Tensor:

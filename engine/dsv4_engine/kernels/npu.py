@@ -6,7 +6,8 @@ with the position's cos/sin rows broadcast over heads, as the seed's `Dsv4NpuRoP
 shared expert's SwiGLU (`npu_swiglu`, after DSV4's clamps), the MoE (routing through
 `npu_moe_gating_top_k`; the routed experts as `npu_moe_init_routing_v2`, `npu_grouped_matmul`,
 the clamped `npu_swiglu`, `npu_grouped_matmul`, `npu_moe_finalize_routing`), W8A8 projections
-(`npu_dynamic_quant` + `npu_quant_matmul`), the attention over the window and compressed pages
+(`npu_dynamic_quant` + `npu_quant_matmul`) and W8A8 routed experts (the same MoE ops with int8 grouped
+matmuls, `npu_dynamic_quant` before each), the attention over the window and compressed pages
 (`npu_sparse_flash_attention`, one call per pool, merged by their softmax statistics), the CSA
 indexer (`npu_lightning_indexer`) and every paged write (`npu_scatter_nd_update_`).
 
@@ -28,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from dsv4_engine import quant
 from dsv4_engine.kernels.base import KernelSet
 from dsv4_engine.kernels.torch_forms import StaticTorchKernels, TorchKernels
 from dsv4_engine.kernels.torch_ops import all_row_slots, clamp_gate_up_, dense_ids
@@ -155,12 +157,61 @@ class _NpuOps:
         ops)."""
         if x.shape[0] == 0:  # the ops take no empty tensors
             return torch.zeros_like(x)
-        num_experts, k = gate_up.shape[0], ids.shape[1]
         ids, weights = dense_ids(ids, weights)
-        rows, row_idx, counts, _ = self.npu.npu_moe_init_routing_v2(
+        rows, row_idx, groups, _ = self._dispatch(x, ids, gate_up.shape[0], None)
+        # Weights as stored ([E, out, in]) are the op's transposed layout: no copy.
+        (h,) = self.npu.npu_grouped_matmul([rows], [gate_up.transpose(1, 2)], **groups)
+        clamp_gate_up_(h, limit)  # DSV4's clamps first: the op computes a plain SwiGLU
+        (y,) = self.npu.npu_grouped_matmul([self.npu.npu_swiglu(h, dim=-1)], [down.transpose(1, 2)], **groups)
+        return self._combine(y, weights, row_idx)
+
+    def quant_routed_experts(
+        self,
+        x: Tensor,
+        gate_up: Tensor,
+        gate_up_scale: Tensor,
+        down: Tensor,
+        down_scale: Tensor,
+        ids: Tensor,
+        weights: Tensor,
+        limit: float,
+    ) -> Tensor:
+        """`routed_experts` in W8A8: the tokens quantised once (`npu_dynamic_quant`, T rows, not T*k),
+        their int8 rows and per-token scales sorted together by `npu_moe_init_routing_v2` (its `scale`
+        passes through unquantised mode as `expanded_scale`), each `npu_grouped_matmul` int8 x int8
+        with the experts' per-row `scale` [E, N] and the rows' `per_token_scale` [M] into x's dtype,
+        the SwiGLU output quantised again between them. The op pairs a bf16 output with bf16 scales
+        and an fp16 one with fp32 (`quant.grouped_matmul_scale`); fp32 x runs in bf16, as
+        `quant_linear` does."""
+        if x.shape[0] == 0:  # the ops take no empty tensors
+            return torch.zeros_like(x)
+        half = x if x.dtype in _HALVES else x.to(torch.bfloat16)
+        ids, weights = dense_ids(ids, weights)
+        q, token_scale = self.npu.npu_dynamic_quant(half)
+        rows, row_idx, groups, row_scale = self._dispatch(q, ids, gate_up.shape[0], token_scale)
+
+        def gmm(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor) -> Tensor:
+            (y,) = self.npu.npu_grouped_matmul(
+                [a], [w.transpose(1, 2)], scale=[quant.grouped_matmul_scale(w_scale, half.dtype)],
+                per_token_scale=[a_scale], output_dtype=half.dtype, **groups,
+            )  # fmt: skip
+            return y
+
+        h = gmm(rows, row_scale, gate_up, gate_up_scale)
+        clamp_gate_up_(h, limit)  # then the plain SwiGLU, as in `routed_experts`
+        act, act_scale = self.npu.npu_dynamic_quant(self.npu.npu_swiglu(h, dim=-1))
+        return self._combine(gmm(act, act_scale, down, down_scale), weights, row_idx).to(x.dtype)
+
+    def _dispatch(
+        self, x: Tensor, ids: Tensor, num_experts: int, scale: Tensor | None
+    ) -> tuple[Tensor, Tensor, dict[str, Any], Tensor]:
+        """`npu_moe_init_routing_v2` of x's rows by local ids `[T, k]` (no -1): (rows [T*k, D] sorted
+        by expert, the row-major map, the grouped matmul's group arguments, the rows' `scale`)."""
+        rows, row_idx, counts, row_scale = self.npu.npu_moe_init_routing_v2(
             x,
             ids.to(torch.int32),
-            active_num=x.shape[0] * k,
+            scale=scale,
+            active_num=x.shape[0] * ids.shape[1],
             expert_num=num_experts,
             expert_tokens_num_type=1,  # per-expert counts (int64), the grouped matmul's group_list
             expert_tokens_num_flag=True,
@@ -173,10 +224,10 @@ class _NpuOps:
             "group_type": 0,
             "group_list_type": int(num_experts > 1),
         }
-        # Weights as stored ([E, out, in]) are the op's transposed layout: no copy.
-        (h,) = self.npu.npu_grouped_matmul([rows], [gate_up.transpose(1, 2)], **groups)
-        clamp_gate_up_(h, limit)  # DSV4's clamps first: the op computes a plain SwiGLU
-        (y,) = self.npu.npu_grouped_matmul([self.npu.npu_swiglu(h, dim=-1)], [down.transpose(1, 2)], **groups)
+        return rows, row_idx, groups, row_scale
+
+    def _combine(self, y: Tensor, weights: Tensor, row_idx: Tensor) -> Tensor:
+        """Each token's k rows of y summed by its weights (`npu_moe_finalize_routing`)."""
         # drop_pad_mode 2: init_routing_v2's map is row-major (token * k + slot)
         return self.npu.npu_moe_finalize_routing(
             y, None, None, None, weights.to(y.dtype), row_idx, None, drop_pad_mode=2

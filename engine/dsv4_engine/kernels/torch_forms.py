@@ -23,6 +23,7 @@ from dsv4_engine.attention.decode_fill import fill_decode_buffers
 from dsv4_engine.kernels.base import KernelSet
 from dsv4_engine.kernels.torch_ops import (
     all_row_slots,
+    by_expert,
     collapse,
     dense_experts,
     dense_ids,
@@ -139,28 +140,34 @@ class TorchKernels(KernelSet):
     def routed_experts(
         self, x: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tensor, limit: float
     ) -> Tensor:
-        """Dispatch by expert: the (token, expert) pairs sorted by expert and gathered once; per expert
-        in use, two matmuls on its contiguous slice and one weighted scatter-add."""
-        flat_ids = ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)
-        foreign = flat_ids < 0  # another rank's pairs (id -1) sort first: drop them
-        if bool(foreign.any()):
-            order = order[~foreign.index_select(0, order)]
-            flat_ids = flat_ids[~foreign]
-        counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
-        tokens = order // ids.shape[1]
-        xs = x.index_select(0, tokens)
-        flat_weights = weights.flatten().index_select(0, order)[:, None]
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                end = start + count
-                h = F.linear(xs[start:end], gate_up[expert])
-                y = F.linear(swiglu_(h, limit), down[expert])
-                out.index_add_(0, tokens[start:end], y.mul_(flat_weights[start:end]).to(out.dtype))
-                start = end
-        return out
+        def expert(rows: Tensor, e: int) -> Tensor:
+            return F.linear(swiglu_(F.linear(rows, gate_up[e]), limit), down[e])
+
+        return by_expert(x, ids, weights, gate_up.shape[0], expert)
+
+    def quant_routed_experts(
+        self,
+        x: Tensor,
+        gate_up: Tensor,
+        gate_up_scale: Tensor,
+        down: Tensor,
+        down_scale: Tensor,
+        ids: Tensor,
+        weights: Tensor,
+        limit: float,
+    ) -> Tensor:
+        """Each expert's two matmuls as `quant_linear` (per-row int8 is the same on an expert's slice
+        as on the whole batch), the scales rounded as the device's grouped matmul takes them. One form
+        for every variant, host reads included: int8 experts reach a torch set only in tests (its
+        `native_w8a8` is False, so an engine's are dequantised at load)."""
+        up_scale = quant.grouped_matmul_scale(gate_up_scale, x.dtype)
+        down_scale = quant.grouped_matmul_scale(down_scale, x.dtype)
+
+        def expert(rows: Tensor, e: int) -> Tensor:
+            h = swiglu_(self.quant_linear(rows, gate_up[e], up_scale[e]), limit)
+            return self.quant_linear(h, down[e], down_scale[e])
+
+        return by_expert(x, ids, weights, gate_up.shape[0], expert)
 
     def shared_expert(self, x: Tensor, gate_up: Tensor, down: Tensor, limit: float) -> Tensor:
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)

@@ -4,6 +4,8 @@ gathers, the page staging segments. Each is the definition the fused kernels are
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,33 @@ def dense_ids(ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
     """Another rank's pairs (-1) as local expert 0 at weight 0, for forms that index every pair."""
     here = ids >= 0
     return torch.where(here, ids, 0), weights * here
+
+
+def by_expert(
+    x: Tensor, ids: Tensor, weights: Tensor, num_experts: int, expert: Callable[[Tensor, int], Tensor]
+) -> Tensor:
+    """Dispatch by expert: the (token, expert) pairs sorted by expert and gathered once; per expert in
+    use, `expert(rows, e)` on its contiguous slice and one weighted scatter-add. Another rank's pairs
+    (id -1) are dropped. Host reads (the counts): extend steps only."""
+    flat_ids = ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    foreign = flat_ids < 0  # another rank's pairs (id -1) sort first: drop them
+    if bool(foreign.any()):
+        order = order[~foreign.index_select(0, order)]
+        flat_ids = flat_ids[~foreign]
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    tokens = order // ids.shape[1]
+    xs = x.index_select(0, tokens)
+    flat_weights = weights.flatten().index_select(0, order)[:, None]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            end = start + count
+            y = expert(xs[start:end], e)
+            out.index_add_(0, tokens[start:end], y.mul_(flat_weights[start:end]).to(out.dtype))
+            start = end
+    return out
 
 
 def dense_experts(

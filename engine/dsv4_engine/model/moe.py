@@ -10,12 +10,12 @@ sum to 1, times `routed_scaling_factor`. Every expert, the shared one included (
 On several ranks (parallel/groups.py) the router is replicated, each rank holds its expert group's
 routed experts with its slice of their intermediate size, and its slice of the shared expert's;
 the routed and shared partial sums go through one all-reduce. Each module runs its op on the step's
-kernel set (`KernelSet.route`, `routed_experts`, `shared_expert`).
+kernel set (`KernelSet.route`, `routed_experts` or, int8, `quant_routed_experts`, `shared_expert`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -57,7 +57,12 @@ class Router(Module):
 
 class Experts(Module):
     """Routed experts as 3-D tensors: `gate_up_proj [E, 2I, D]` (gate rows first), `down_proj [E, D, I]`;
-    on several ranks E and I are this rank's (`first_expert` the global id of local expert 0)."""
+    on several ranks E and I are this rank's (`first_expert` the global id of local expert 0). A W8A8
+    checkpoint loaded for a set that runs int8 (`KernelSet.native_w8a8`) leaves both int8, with their
+    per-expert, per-row float32 scales beside them as `gate_up_proj_scale [E, 2I]` and
+    `down_proj_scale [E, D]` (loader.py); the set's `quant_routed_experts` runs them."""
+
+    int8_weights: ClassVar[bool] = True  # the loader may keep these weights int8
 
     def __init__(self, config: Dsv4Config, parallel: Parallel = SINGLE) -> None:
         super().__init__()
@@ -84,6 +89,11 @@ class Experts(Module):
         if not self.all_local:  # another rank's pairs as -1, which every form skips
             local = ids - self.first_expert
             ids = torch.where((local >= 0) & (local < self.num_experts), local, -1)
+        if self.gate_up_proj.dtype == torch.int8:
+            return kernels.quant_routed_experts(
+                x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj, self.down_proj_scale,
+                ids, weights, self.limit,
+            )  # fmt: skip
         return kernels.routed_experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.limit)
 
 

@@ -34,7 +34,9 @@ Sources:
   group_list int64 of at most 1024 groups (group_list_type 0: cumsum, non-decreasing; 1: counts,
   not of length 1; non-negative), group_type 0 (split M), split_item 2 or 3 (one output [M, N]);
   x/weight float16, bfloat16, float32, or int8 with scale [E, N] and per_token_scale [M] (float32)
-  and output_dtype; inner dims below 65536. "x 不支持转置": x must be contiguous; "支持weight转置":
+  and output_dtype, which on A2/A3 pairs a bfloat16 output with a bfloat16 scale and a float16 one
+  with a float32 scale (the docstring's table "group_list输入类型为Tensor时", pertoken rows; None
+  means x's dtype, int8, whose int64 scale is not modelled); inner dims below 65536. "x 不支持转置": x must be contiguous; "支持weight转置":
   weight contiguous or the transpose of a contiguous [E, N, K] (strides [N*K, 1, K]), nothing
   else. Rows past group_list's total are left unwritten (aclnnGroupedMatmulV4.md; zero here).
 """
@@ -394,11 +396,19 @@ def npu_grouped_matmul(
         check(scale[0].shape == (w.shape[0], w.shape[2]), name, "scale must be [E, N]", DOC)
         dtype_in(name, "per_token_scale", per_token_scale[0], (torch.float32,), DOC)
         check(per_token_scale[0].shape == (a.shape[0],), name, "per_token_scale must be [M]", DOC)
-        out_dtype = DTYPE_ENUM.get(output_dtype if output_dtype is not None else 15, torch.uint8)
+        # None means x's dtype: an int8 output, which takes an int64 scale (npu_trans_quant_param)
+        out_dtype = torch.int8 if output_dtype is None else DTYPE_ENUM.get(output_dtype, torch.uint8)
+        pairs = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32}  # output -> its scale
         check(
-            out_dtype in (torch.bfloat16, torch.float16),
+            out_dtype in pairs,
             name,
-            f"output_dtype {out_dtype} unsupported with int8",
+            f"output_dtype {out_dtype} with per_token_scale is not bfloat16 or float16 (not modelled)",
+            DOC,
+        )
+        check(
+            scale[0].dtype == pairs[out_dtype],
+            name,
+            f"a {out_dtype} output with per_token_scale takes a {pairs[out_dtype]} scale, not {scale[0].dtype}",
             DOC,
         )
     else:
