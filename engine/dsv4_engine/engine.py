@@ -375,8 +375,8 @@ class LLMEngine:
                 rid, seq.output_token_ids[had[rid] :], done, seq.finish_reason if done else None
             )
             step.cached_tokens = seq.num_cached_tokens or 0
-            if seq.params.logprobs is not None and seq.step_logprobs is not None:
-                step.logprobs = [seq.step_logprobs]
+            if seq.params.logprobs is not None and seq.step_logprobs:
+                step.logprobs = seq.step_logprobs[: len(step.new_token_ids)]
             if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
                 step.prompt_logprobs = [None, *seq.prompt_logprobs]  # with the first token, once
             outputs.append(step)

@@ -31,7 +31,7 @@ from dsv4_engine.memory.out_cache_loc import one_token_steps
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
 from dsv4_engine.sampler import sample, token_logprobs
 from dsv4_engine.scheduler import ScheduledChunk, SchedulerOutput, Sequence
-from dsv4_engine.speculative import DraftCache, Drafter, DraftRow, speculates, verify
+from dsv4_engine.speculative import DraftCache, Drafter, DraftRow, speculates, verify, verify_logits
 
 # Prompt logprobs are computed this many positions at a time, so a long chunk never holds its whole
 # [chunk, vocab] logits at once.
@@ -280,7 +280,7 @@ class ModelRunner:
         sampled: list[ScheduledChunk] = []
         for i, c in enumerate(out.chunks):
             if c.drafts:
-                new_tokens[c.seq.request_id] = verify(logits[i], c.drafts, c.seq.params, c.seq.generator)  # type: ignore[arg-type]
+                new_tokens[c.seq.request_id] = self._verify(c, logits[i], eos_token_ids)
             elif c.sample:
                 sampled.append(c)
         if sampled:
@@ -318,8 +318,22 @@ class ModelRunner:
             ks = [seqs[i].params.logprobs or 0 for i in want]
             entries = token_logprobs(all_logits.index_select(0, rows), [tokens[i] for i in want], ks)
             for i, entry in zip(want, entries, strict=True):
-                seqs[i].step_logprobs = entry
+                seqs[i].step_logprobs = [entry]
         new_tokens.update({s.request_id: [t] for s, t in zip(seqs, tokens, strict=True)})
+
+    def _verify(
+        self, chunk: ScheduledChunk, logits: torch.Tensor, eos_token_ids: Collection[int]
+    ) -> list[int]:
+        """A verify's tokens from its rows' logits (the sampler's processing applied row by row), and
+        their logprobs from the raw rows, as one-token steps would report them."""
+        seq, drafts = chunk.seq, chunk.drafts
+        processed = verify_logits(
+            logits, drafts, seq.params, seq.prompt_token_ids, seq.output_token_ids, eos_token_ids
+        )
+        kept = verify(processed, drafts, seq.params, seq.generator)  # type: ignore[arg-type]
+        if seq.params.logprobs is not None:
+            seq.step_logprobs = token_logprobs(logits[: len(kept)], kept, [seq.params.logprobs] * len(kept))
+        return kept
 
     def _draft(
         self,

@@ -35,9 +35,9 @@ class Sequence:
     grammar: object | None = None  # its llguidance matcher when params.grammar is set (dsv4_engine.grammar)
     # Logprobs for requests that ask (sampler.TokenLogprobs): the prompt's, entry p for token p + 1,
     # filled chunk by chunk (kept across a preemption, so a recompute does not repeat them); and the
-    # token sampled by the latest step.
+    # tokens the latest step gave it (one, or a speculative verify's), entry i for token i.
     prompt_logprobs: list[Any] = field(default_factory=list)
-    step_logprobs: Any = None
+    step_logprobs: list[Any] = field(default_factory=list)
     # Prefix cache: prompt tokens its first admission resumed from the cache (None: not admitted yet),
     # and the positions where its chunks end so the cache can keep a snapshot there.
     num_cached_tokens: int | None = None

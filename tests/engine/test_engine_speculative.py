@@ -164,3 +164,63 @@ def test_speculation_from_a_cached_prefix(mtp_checkpoints, assert_released) -> N
             assert llm.engine.metrics()["spec_decode_num_drafts"] > 0
             assert_released(llm)
     assert [o.token_ids for o in outs[2]] == [o.token_ids for o in outs[0]]
+
+
+# What the sampler applies beyond temperature/top-k/top-p, each on its own request: kept drafts must
+# be what one-token steps would sample after the drafts before them.
+PROCESSED = [
+    dict(repetition_penalty=1.3),
+    dict(frequency_penalty=0.8, presence_penalty=0.5),
+    dict(logit_bias={7: 3.0, 11: -100.0}),
+    dict(bad_words_token_ids=[[5, 9]]),
+    dict(min_tokens=20, stop_token_ids=[3, 4, 6]),
+    dict(logprobs=3),
+]
+
+
+def test_processed_requests_speculate_with_the_output_of_one_token_steps(
+    mtp_checkpoints, assert_released
+) -> None:
+    """Penalties, logit_bias, bad words, min_tokens and logprobs with speculation: drafts are proposed
+    and (oracle) mostly kept, and tokens, finish reasons and logprobs equal the speculation-off run's.
+    A verify that judged its rows without the drafts before them (penalties counting only the output
+    so far, min_tokens' mask lifted too early, a bad word's first token not seen) would keep drafts
+    one-token steps never sample."""
+    prompts = _prompts(seed=61)[:4]
+    cases = [(p, SamplingParams(temperature=0.0, max_tokens=32, **kw)) for p in prompts for kw in PROCESSED]
+    off = _llm(mtp_checkpoints["A"])
+    spec = _llm(mtp_checkpoints["A"], speculative_num_steps=3)
+    truth = {}
+    for i, (p, params) in enumerate(cases):
+        truth[f"r{i}"] = off.engine.add_request(p, params, f"r{i}")
+    want = _collect(off)
+    drafter = spec.engine.runner.drafter
+    assert drafter is not None
+    _oracle(drafter, {rid: [*cases[int(rid[1:])][0], *want[rid][0]] for rid in want}, random.Random(3))
+    for i, (p, params) in enumerate(cases):
+        spec.engine.add_request(p, params, f"r{i}")
+    got = _collect(spec)
+    assert [got[r][0] for r in truth] == [want[r][0] for r in truth]
+    assert [got[r][1] for r in truth] == [want[r][1] for r in truth]
+    for rid in truth:
+        for a, b in zip(got[rid][2], want[rid][2], strict=True):
+            assert (a.token_id, [t for t, _ in a.top]) == (b.token_id, [t for t, _ in b.top])
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    m = spec.engine.metrics()
+    assert m["spec_decode_num_accepted_tokens"] > m["spec_decode_num_draft_tokens"] / 2
+    assert any(got[r][2] for r in truth)  # the logprobs requests reported theirs
+    assert_released(spec)
+
+
+def _collect(llm: LLM) -> dict[str, tuple[list[int], str | None, list]]:
+    """Every request's tokens, finish reason and logprobs entries, stepping until none is left."""
+    outs: dict[str, tuple[list[int], str | None, list]] = {}
+    while llm.engine.has_unfinished():
+        for step in llm.engine.step():
+            tokens, _, logprobs = outs.get(step.request_id, ([], None, []))
+            outs[step.request_id] = (
+                tokens + step.new_token_ids,
+                step.finish_reason,
+                logprobs + (step.logprobs or []),
+            )
+    return outs

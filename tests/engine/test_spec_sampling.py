@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dsv4_engine.sampling_params import SamplingParams
-from dsv4_engine.speculative import verify
+from dsv4_engine.speculative import verify, verify_logits
 from dsv4_engine.speculative.accept import target_probs
 from dsv4_engine.testing import random_ids
 
@@ -25,6 +25,36 @@ from .test_engine_speculative import _llm, mtp_checkpoints  # noqa: F401  (the f
 DRAWS = 20000
 # Per token, 5 standard deviations of an empirical frequency over DRAWS draws at p = 0.5.
 TOLERANCE = 5 * (0.25 / DRAWS) ** 0.5
+
+
+def _judged(params: SamplingParams, drafts: list[int], rows: torch.Tensor, output: list[int]) -> list[int]:
+    """What a greedy verify keeps of `drafts` over raw `rows`, after `output` (prompt: [1, 2])."""
+    return verify(
+        verify_logits(rows, drafts, params, [1, 2], output, eos_token_ids=(0,)), drafts, params, None
+    )
+
+
+def test_each_verify_row_sees_the_drafts_before_it() -> None:
+    """Row j of a verify is processed as the step after output + drafts[:j]: a token drafted at row 0
+    is penalised at row 1, min_tokens' stop mask lifts exactly at the row where the output reaches
+    it, and a bad word's last token is banned right after its first was drafted."""
+    flat = torch.zeros(3, 16)
+    flat[:, 7], flat[:, 8] = 2.0, 1.5  # 7 leads by 0.5 everywhere
+    greedy = dict(temperature=0.0, max_tokens=64)
+    assert _judged(SamplingParams(**greedy), [7, 7], flat, [5]) == [7, 7, 7]
+    # One 7 drafted before row 1: a frequency penalty of 1 puts 8 ahead there.
+    assert _judged(SamplingParams(frequency_penalty=1.0, **greedy), [7, 7], flat, [5]) == [7, 8]
+    assert _judged(SamplingParams(presence_penalty=1.0, **greedy), [7, 7], flat, [5]) == [7, 8]
+    eos = flat.clone()
+    eos[:, 0] = 5.0  # the end token leads wherever min_tokens lets it
+    # 2 tokens out, min_tokens 3: row 0 (2 out) masks it, row 1 (3 out with the draft) does not.
+    assert _judged(SamplingParams(min_tokens=3, **greedy), [7, 7], eos, [5, 5]) == [7, 0]
+    # Bad word [7, 8]: after the draft 7 at row 0, row 1 may not pick 8.
+    bad = flat.clone()
+    bad[1:, 8] = 3.0  # 8 leads from row 1 on
+    params = SamplingParams(bad_words_token_ids=[[7, 8]], **greedy)
+    assert _judged(SamplingParams(**greedy), [7, 8], bad, [5]) == [7, 8, 8]
+    assert _judged(params, [7, 8], bad, [5]) == [7, 7]
 
 
 def test_greedy_keeps_drafts_while_they_are_the_argmax() -> None:

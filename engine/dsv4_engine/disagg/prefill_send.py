@@ -127,7 +127,7 @@ class ChunkSender:
             room.cached_tokens = seq.num_cached_tokens or 0
             room.draft_token_ids = list(seq.draft_token_ids)
             room.logprobs = logprobs_body(
-                seq.step_logprobs if seq.params.logprobs is not None else None,
+                seq.step_logprobs[0] if seq.params.logprobs is not None and seq.step_logprobs else None,
                 list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
             )
             job.entries.extend(

@@ -11,24 +11,40 @@ kept, the last position's distribution gives one more token.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+
 import torch
 
-from dsv4_engine.sampler import apply_min_p, filter_top_k_top_p
+from dsv4_engine.sampler import apply_min_p, filter_top_k_top_p, process_logits
 from dsv4_engine.sampling_params import SamplingParams
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a request's tokens may be drafted: only when nothing but temperature, top-k, top-p and
-    min_p shapes its next token (penalties, biases, masks, grammars and min_tokens depend on every
-    token before it; logprobs are reported from one-token steps)."""
-    return not (
-        params.penalized
-        or params.logit_bias
-        or params.bad_words_token_ids
-        or params.allowed_token_ids is not None
-        or params.grammar is not None
-        or params.min_tokens
-        or params.logprobs is not None
+    """Whether a request's tokens may be drafted: all but a grammar's (its matcher would have to
+    advance over the drafts and roll back). Penalties, biases, bad words, allowed tokens and
+    min_tokens are applied to each verify row as if the drafts before it were already output
+    (`verify_logits`), and logprobs are taken from each row's raw logits."""
+    return params.grammar is None
+
+
+def verify_logits(
+    logits: torch.Tensor,
+    drafts: list[int],
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    eos_token_ids: Collection[int],
+) -> torch.Tensor:
+    """The verify rows' logits `[k+1, V]` after what the sampler applies to one token (min_tokens,
+    logit_bias, bad words, penalties, allowed tokens): row j as the step that follows `output_ids`
+    and drafts[:j] would see it, so whatever is kept is what one-token steps would have sampled."""
+    n = len(logits)
+    return process_logits(
+        logits,
+        [params] * n,
+        prompt_ids=[prompt_ids] * n,
+        output_ids=[[*output_ids, *drafts[:j]] for j in range(n)],
+        eos_token_ids=eos_token_ids,
     )
 
 
