@@ -354,11 +354,12 @@ class LLMEngine:
                 raise RuntimeError("requests are waiting but none can be admitted with empty pools")
             return outputs
         constrained = {c.seq.request_id: c.seq.grammar for c in out.chunks if c.sample and c.seq.grammar}
-        masks = self.grammar_backend().start_masks(constrained) if constrained else None
+        drafts = {c.seq.request_id: c.drafts for c in out.chunks if c.sample and c.seq.grammar and c.drafts}
+        masks = self.grammar_backend().start_masks(constrained, drafts) if constrained else None
         new_tokens = self.runner.run(out, self.scheduler.config.eos_token_ids, masks)
-        for rid in constrained:  # a constrained request never speculates: one token
-            if rid in new_tokens:
-                grammar.advance(constrained[rid], new_tokens[rid][0])
+        for rid in constrained:  # every token the step gave (a verify's kept drafts and one more)
+            for token in new_tokens.get(rid, []):
+                grammar.advance(constrained[rid], token)
         first = {rid: tokens[0] for rid, tokens in new_tokens.items()}
         for observe in self.step_observers:
             observe(out, first)

@@ -66,47 +66,71 @@ class GrammarBackend:
             raise ValueError(f"bad grammar: {m.get_error()}")
         return m
 
-    def start_masks(self, matchers: dict[str, Any]) -> PendingMasks:
-        """Begin filling the allowed-token masks of `matchers` (request id -> matcher) in the worker."""
-        ids = list(matchers)
-        rows = [matchers[r] for r in ids]
-        return PendingMasks(ids, self.pool.submit(self._fill, rows), lambda: self._fill(rows))
+    def start_masks(
+        self, matchers: dict[str, Any], drafts: dict[str, list[int]] | None = None
+    ) -> PendingMasks:
+        """Begin filling the allowed-token masks of `matchers` (request id -> matcher) in the worker:
+        one row per request, or, for a request with `drafts` (a speculative verify), one per verify
+        row: row j the mask after drafts[:j]."""
+        plan = [(r, m, (drafts or {}).get(r, [])) for r, m in matchers.items()]
+        return PendingMasks(self.pool.submit(self._fill, plan), lambda: self._fill(plan))
 
-    def _fill(self, matchers: list[Any]) -> torch.Tensor:
+    def _fill(self, plan: list[tuple[str, Any, list[int]]]) -> dict[str, torch.Tensor]:
         import llguidance.torch as lltorch
 
-        bitmask = torch.zeros(len(matchers), self.words, dtype=torch.int32)
+        bitmask = torch.zeros(sum(1 + len(d) for _, _, d in plan), self.words, dtype=torch.int32)
         # One row after another on this one thread: it already runs beside the forward, and
         # llguidance's parallel executor would take cores from the forward's own threads.
-        for i, m in enumerate(matchers):
-            lltorch.fill_next_token_bitmask(m, bitmask, i)
-        allowed = ((bitmask[:, :, None] >> _BITS) & 1).bool().view(len(matchers), -1)[:, : self.vocab_size]
-        return allowed
+        row, spans = 0, {}
+        for rid, m, drafts in plan:
+            consumed = 0  # drafts the grammar took so far; the matcher is rolled back over them after
+            for j in range(len(drafts) + 1):
+                if consumed == j:
+                    lltorch.fill_next_token_bitmask(m, bitmask, row + j)
+                    if j < len(drafts) and not m.is_stopped():
+                        consumed += m.try_consume_tokens([drafts[j]])
+                else:  # past a draft the grammar refused: verify rejects that draft, never reads these
+                    bitmask[row + j] = bitmask[row + j - 1]
+            if consumed:
+                m.rollback(consumed)
+            spans[rid] = (row, row + 1 + len(drafts))
+            row += 1 + len(drafts)
+        allowed = ((bitmask[:, :, None] >> _BITS) & 1).bool().view(len(bitmask), -1)[:, : self.vocab_size]
+        return {rid: allowed[lo:hi] for rid, (lo, hi) in spans.items()}
 
 
 class PendingMasks:
-    """Masks being computed for one step: `wait(order)` gives (row indices in `order`, bool [R, V])."""
+    """Masks being computed for one step: per request, its rows (one, or a verify's k + 1)."""
 
     def __init__(
-        self, request_ids: list[str], masks: Future[torch.Tensor], fill: Callable[[], torch.Tensor]
+        self, masks: Future[dict[str, torch.Tensor]], fill: Callable[[], dict[str, torch.Tensor]]
     ) -> None:
-        self.request_ids = request_ids
         self.masks = masks
         self.fill = fill
+        self._done: dict[str, torch.Tensor] | None = None
 
-    def wait(self, order: Seq[str], eos_token_ids: Seq[int] = ()) -> tuple[list[int], torch.Tensor] | None:
-        # A worker that never got a core during the forward has not started: fill here instead.
-        allowed = self.fill() if self.masks.cancel() else self.masks.result()
-        where = {r: i for i, r in enumerate(order)}
-        keep = [j for j, r in enumerate(self.request_ids) if r in where]
-        if not keep:
+    def rows(self, request_id: str, eos_token_ids: Seq[int] = ()) -> torch.Tensor | None:
+        """The request's allowed tokens, bool `[rows, V]`; None if it has no grammar."""
+        if self._done is None:
+            # A worker that never got a core during the forward has not started: fill here instead.
+            self._done = self.fill() if self.masks.cancel() else self.masks.result()
+        allowed = self._done.get(request_id)
+        if allowed is None:
             return None
-        allowed = allowed[keep]
         # A matcher in an error state allows nothing: let it end (EOS) rather than sample from -inf.
         empty = ~allowed.any(dim=-1)
         if bool(empty.any()) and eos_token_ids:
             allowed[empty.nonzero()[:, 0][:, None], torch.tensor(list(eos_token_ids))[None, :]] = True
-        return [where[self.request_ids[j]] for j in keep], allowed
+        return allowed
+
+    def wait(self, order: Seq[str], eos_token_ids: Seq[int] = ()) -> tuple[list[int], torch.Tensor] | None:
+        """The one-token rows of the requests in `order` that have a grammar: (their indices in
+        `order`, bool `[R, V]`)."""
+        found = [(i, self.rows(r, eos_token_ids)) for i, r in enumerate(order)]
+        keep = [(i, rows[0]) for i, rows in found if rows is not None]
+        if not keep:
+            return None
+        return [i for i, _ in keep], torch.stack([row for _, row in keep])
 
 
 def advance(matcher: Any, token: int) -> None:

@@ -31,7 +31,7 @@ from dsv4_engine.memory.out_cache_loc import one_token_steps
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
 from dsv4_engine.sampler import sample, token_logprobs
 from dsv4_engine.scheduler import ScheduledChunk, SchedulerOutput, Sequence
-from dsv4_engine.speculative import DraftCache, Drafter, DraftRow, speculates, verify, verify_logits
+from dsv4_engine.speculative import DraftCache, Drafter, DraftRow, verify, verify_logits
 
 # Prompt logprobs are computed this many positions at a time, so a long chunk never holds its whole
 # [chunk, vocab] logits at once.
@@ -242,10 +242,10 @@ class ModelRunner:
     ) -> dict[str, list[int]]:
         """Forward the step and sample: request id -> its new tokens, for every chunk with
         sample=True: one, or a speculative verify's kept drafts and one more. `eos_token_ids`: what
-        `min_tokens` masks besides a request's stop ids. A request asking for logprobs gets its
-        sampled token's in `seq.step_logprobs` (raw logits, before any penalty). `grammar`: the
-        constrained requests' masks, computed while the forward runs. With a drafter, every request
-        that speculates then gets its next drafts in `seq.draft_token_ids`."""
+        `min_tokens` masks besides a request's stop ids. A request asking for logprobs gets its new
+        tokens' in `seq.step_logprobs` (raw logits, before any penalty). `grammar`: the constrained
+        requests' masks (a verify's: one per row), computed while the forward runs. With a drafter,
+        every request then gets its next drafts in `seq.draft_token_ids`."""
         step = StepPlan.of(out)
         if self.followers is not None:  # the server's other ranks run the same forwards
             self.followers.send(self.allocator.take_journal(), step)
@@ -280,7 +280,7 @@ class ModelRunner:
         sampled: list[ScheduledChunk] = []
         for i, c in enumerate(out.chunks):
             if c.drafts:
-                new_tokens[c.seq.request_id] = self._verify(c, logits[i], eos_token_ids)
+                new_tokens[c.seq.request_id] = self._verify(c, logits[i], eos_token_ids, grammar)
             elif c.sample:
                 sampled.append(c)
         if sampled:
@@ -322,13 +322,19 @@ class ModelRunner:
         new_tokens.update({s.request_id: [t] for s, t in zip(seqs, tokens, strict=True)})
 
     def _verify(
-        self, chunk: ScheduledChunk, logits: torch.Tensor, eos_token_ids: Collection[int]
+        self,
+        chunk: ScheduledChunk,
+        logits: torch.Tensor,
+        eos_token_ids: Collection[int],
+        grammar: PendingMasks | None,
     ) -> list[int]:
-        """A verify's tokens from its rows' logits (the sampler's processing applied row by row), and
-        their logprobs from the raw rows, as one-token steps would report them."""
+        """A verify's tokens from its rows' logits (the sampler's processing and the grammar's mask
+        applied row by row), and their logprobs from the raw rows, as one-token steps would report
+        them."""
         seq, drafts = chunk.seq, chunk.drafts
+        allowed = grammar.rows(seq.request_id, tuple(eos_token_ids)) if grammar else None
         processed = verify_logits(
-            logits, drafts, seq.params, seq.prompt_token_ids, seq.output_token_ids, eos_token_ids
+            logits, drafts, seq.params, seq.prompt_token_ids, seq.output_token_ids, eos_token_ids, allowed
         )
         kept = verify(processed, drafts, seq.params, seq.generator)  # type: ignore[arg-type]
         if seq.params.logprobs is not None:
@@ -349,7 +355,7 @@ class ModelRunner:
         rows = []
         for i, c in enumerate(chunks):
             seq = c.seq
-            if not speculates(seq.params) or seq.req_idx is None:
+            if seq.req_idx is None:
                 continue
             got = new_tokens.get(seq.request_id, [])
             n = len(got) if c.drafts else len(c.token_ids)  # a verify computed its kept drafts and one more

@@ -224,3 +224,52 @@ def _collect(llm: LLM) -> dict[str, tuple[list[int], str | None, list]]:
                 logprobs + (step.logprobs or []),
             )
     return outs
+
+
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "maximum": 999}, "word": {"type": "string", "maxLength": 6}},
+    "required": ["id", "word"],
+    "additionalProperties": False,
+}
+
+
+def test_grammar_requests_speculate_and_keep_only_what_the_grammar_allows(
+    mtp_checkpoints, assert_released
+) -> None:
+    """JSON-schema requests speculate: each verify row is masked by the matcher advanced over the
+    drafts before it (then rolled back), so greedy output equals the run without speculation and
+    sampled output always validates, though the oracle's drafts (the greedy continuation, corrupted
+    at random) are often outside the grammar where sampling went elsewhere."""
+    import json
+
+    import jsonschema
+
+    from dsv4_engine.grammar import json_grammar
+
+    grammar = json_grammar(JSON_SCHEMA)
+    prompts = _prompts(seed=71)[:3]
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, grammar=grammar)
+    off = _llm(mtp_checkpoints["A"])
+    for i, p in enumerate(prompts):
+        off.engine.add_request(p, greedy, f"r{i}")
+    want = _collect(off)
+    spec = _llm(mtp_checkpoints["A"], speculative_num_steps=3)
+    drafter = spec.engine.runner.drafter
+    assert drafter is not None
+    truth = {f"r{i}": [*p, *want[f"r{i}"][0]] for i, p in enumerate(prompts)}
+    truth |= {f"s{i}-{seed}": t for i, t in enumerate(truth.values()) for seed in range(4)}
+    _oracle(drafter, truth, random.Random(5))
+    for i, p in enumerate(prompts):
+        spec.engine.add_request(p, greedy, f"r{i}")
+        for seed in range(4):
+            sampled = SamplingParams(temperature=1.0, seed=seed, max_tokens=60, grammar=grammar)
+            spec.engine.add_request(p, sampled, f"s{i}-{seed}")
+    got = _collect(spec)
+    assert {r: got[r][0] for r in want} == {r: want[r][0] for r in want}
+    for rid, (tokens, reason, _) in got.items():
+        assert reason == "stop", rid
+        jsonschema.validate(json.loads(spec.tokenizer.decode(tokens, skip_special_tokens=True)), JSON_SCHEMA)
+    m = spec.engine.metrics()
+    assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
+    assert_released(spec)

@@ -10,8 +10,8 @@ proposed, never which are kept, so nothing there needs the pools' exactness, the
 transfer or prefix caching.
 """
 
-from dsv4_engine.speculative.accept import speculates, verify, verify_logits
+from dsv4_engine.speculative.accept import verify, verify_logits
 from dsv4_engine.speculative.draft_cache import DraftCache
 from dsv4_engine.speculative.drafter import Drafter, DraftRow
 
-__all__ = ["DraftCache", "DraftRow", "Drafter", "speculates", "verify", "verify_logits"]
+__all__ = ["DraftCache", "DraftRow", "Drafter", "verify", "verify_logits"]

@@ -1,4 +1,9 @@
-"""Which requests speculate, and which of a verify step's drafts they keep.
+"""Which of a verify step's drafts a request keeps.
+
+Before accepting, each row gets what the sampler applies to one token, as the step after the output
+so far and the drafts before that row would see it (`verify_logits`): penalties, biases, bad words,
+allowed tokens, min_tokens, and the grammar's mask (its matcher advanced over the drafts and rolled
+back, grammar.py). So every request speculates, and what is kept is what one-token steps sample.
 
 `verify` keeps the output distribution exactly the target's. Greedy: a draft is kept while it equals
 the target's argmax, and the first mismatch is replaced by the argmax. Sampling: the drafts are point
@@ -19,14 +24,6 @@ from dsv4_engine.sampler import apply_min_p, filter_top_k_top_p, process_logits
 from dsv4_engine.sampling_params import SamplingParams
 
 
-def speculates(params: SamplingParams) -> bool:
-    """Whether a request's tokens may be drafted: all but a grammar's (its matcher would have to
-    advance over the drafts and roll back). Penalties, biases, bad words, allowed tokens and
-    min_tokens are applied to each verify row as if the drafts before it were already output
-    (`verify_logits`), and logprobs are taken from each row's raw logits."""
-    return params.grammar is None
-
-
 def verify_logits(
     logits: torch.Tensor,
     drafts: list[int],
@@ -34,10 +31,12 @@ def verify_logits(
     prompt_ids: Sequence[int],
     output_ids: Sequence[int],
     eos_token_ids: Collection[int],
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The verify rows' logits `[k+1, V]` after what the sampler applies to one token (min_tokens,
-    logit_bias, bad words, penalties, allowed tokens): row j as the step that follows `output_ids`
-    and drafts[:j] would see it, so whatever is kept is what one-token steps would have sampled."""
+    logit_bias, bad words, penalties, allowed tokens, the grammar's mask `allowed [k+1, V]`): row j as
+    the step that follows `output_ids` and drafts[:j] would see it, so whatever is kept is what
+    one-token steps would have sampled."""
     n = len(logits)
     return process_logits(
         logits,
@@ -45,6 +44,7 @@ def verify_logits(
         prompt_ids=[prompt_ids] * n,
         output_ids=[[*output_ids, *drafts[:j]] for j in range(n)],
         eos_token_ids=eos_token_ids,
+        grammar_mask=(list(range(n)), allowed) if allowed is not None else None,
     )
 
 
