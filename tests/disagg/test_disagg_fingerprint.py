@@ -11,6 +11,7 @@ import struct
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -297,3 +298,55 @@ def test_prompt_digest() -> None:
     assert len(prompt_digest(ids)) == 32
     others = [ids[:-1], [*ids, 0], list(reversed(ids)), [], [2**40]]
     assert len({prompt_digest(x) for x in [ids, *others]}) == 1 + len(others)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pairing across versions
+
+
+@pytest.mark.parametrize("decode_ranks", [1, 2])
+def test_a_parallel_decode_refuses_a_prefill_from_before_per_rank_transfer(decode_ranks: int) -> None:
+    """A prefill whose /route lists no ranks writes decode rank 0 only: a 2-rank decode refuses it
+    before registering, naming why; a 1-rank decode registers as before (the pair works either way)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import httpx
+
+    from dsv4_engine.disagg.decode_peers import PrefillPeer, PrefillPeers
+    from dsv4_engine.disagg.protocol import PdError
+
+    registered: list[dict[str, Any]] = []
+
+    def old_prefill(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/route":
+            return httpx.Response(200, json={"fingerprint": _fp(), "instance": "old"})
+        registered.append(json.loads(request.content))
+        return httpx.Response(200, json={"status": "ok"})
+
+    session: dict[str, Any] = {"mooncake_session": "127.0.0.1:1", "fingerprint": _fp()}
+    if decode_ranks > 1:
+        session["ranks"] = [{"rank": 1, "mooncake_session": "127.0.0.1:2", "dst_ptrs": {}}]
+    metrics = SimpleNamespace()
+    peers = PrefillPeers(
+        "d",
+        session,
+        fingerprint=_fp(),
+        heartbeat_interval=1.0,
+        heartbeat_failures=3,
+        metrics=metrics,  # type: ignore[arg-type]
+    )
+
+    async def register() -> None:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(old_prefill), base_url="http://p")
+        async with client:
+            await peers._register(PrefillPeer("p:1", client))
+
+    if decode_ranks == 1:
+        asyncio.run(register())
+        assert registered == [session]
+        return
+    with pytest.raises(PdError) as err:
+        asyncio.run(register())
+    assert err.value.reason == "layout_mismatch" and "predates per-rank transfer" in err.value.message
+    assert registered == []

@@ -95,6 +95,16 @@ class PrefillPeers:
             diff = fingerprint_diff(self.fingerprint, route["fingerprint"])
             if diff is not None:
                 raise PdError("layout_mismatch", f"decode refuses prefill {peer.address}: {diff}")
+            if "ranks" in self.session and "ranks" not in route:
+                # Each rank here takes its state from a prefill rank of its own (lanes.py); a prefill
+                # from before per-rank transfer would write rank 0 only and the others would decode
+                # from pages nobody wrote. (A one-rank decode pairs with either.)
+                raise PdError(
+                    "layout_mismatch",
+                    f"decode refuses prefill {peer.address}: this decode server has "
+                    f"{1 + len(self.session['ranks'])} ranks, each written by a prefill rank of its own, "
+                    "and the prefill predates per-rank transfer (no 'ranks' in its /route): upgrade it",
+                )
             r = await peer.client.put(f"/sessions/{self.decode_id}", json=self.session)
             if r.status_code != 200:
                 raise PdError.from_body(r.json())
