@@ -261,6 +261,17 @@ class LLMEngine:
         """Give back a pre-allocated row that never became a running request."""
         self.allocator.free(req_idx)
 
+    def draft_geometry(self) -> tuple[int, int, torch.dtype] | None:
+        """(window, row width, dtype) of the MTP layer's window rows when this engine speculates."""
+        drafter = self.runner.drafter
+        if drafter is None:
+            return None
+        return drafter.cache.window, drafter.cache.kv.shape[1], drafter.cache.kv.dtype
+
+    def draft_window(self, req_idx: int, start: int, end: int) -> torch.Tensor:
+        """PD prefill: the MTP rows of positions [start, end) of a request row (its window)."""
+        return self.runner.draft_window(req_idx, start, end)
+
     def admit_transferred(
         self,
         request_id: str,
@@ -274,12 +285,15 @@ class LLMEngine:
         prompt_logprobs: list[TokenLogprobs] | None = None,
         cached_tokens: int = 0,
         drafts: list[int] | None = None,
+        draft_window: tuple[int, torch.Tensor] | None = None,
     ) -> None:
         """PD decode: the request's state is in `req_idx`'s pages, on every rank (each had it written
         by a prefill rank of its own: disagg/lanes.py); run it from its first token.
         The logprobs the prefill computed come out with that token, as a colocated server's would,
         and so does its prefix-cache hit (`cached_tokens`). `drafts`: the prefill's MTP drafts after
-        the first token, which the first decode step verifies when this engine speculates."""
+        the first token, which the first decode step verifies when this engine speculates;
+        `draft_window`: (first position, rows) of the prefill's MTP window, which its drafts after
+        that step read as a colocated server's would."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not 0 <= first_token < self.config.vocab_size:
@@ -300,6 +314,9 @@ class LLMEngine:
         seq.num_cached_tokens = cached_tokens
         if self.engine_config.speculative_num_steps:
             seq.draft_token_ids = list(drafts or ())
+            if draft_window is not None:
+                self.runner.write_draft_window(req_idx, *draft_window)
+                seq.draft_window_from = draft_window[0]
         first = StepOutput(request_id, [first_token], False, None, cached_tokens=cached_tokens)
         if sampling_params.logprobs is not None and first_logprobs is not None:
             first.logprobs = [first_logprobs]

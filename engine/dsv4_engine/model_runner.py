@@ -94,6 +94,9 @@ class Followers(Protocol):
     def draft(self, rows: list[DraftRow]) -> None:
         """Have them run the MTP layer over the rows too (its modules are sharded like the rest)."""
 
+    def window(self, req_idx: int, start: int, rows: torch.Tensor) -> None:
+        """Have them write a PD transfer's MTP window into their rings too."""
+
 
 class ModelRunner:
     def __init__(
@@ -173,6 +176,20 @@ class ModelRunner:
         decode_streams = self.decode(step)[1] if step.decode_specs else None
         _, _, extend_streams = self.extend(step)
         return _step_streams(decode_streams, extend_streams) if self.drafter is not None else None
+
+    def draft_window(self, req_idx: int, start: int, end: int) -> torch.Tensor:
+        """PD prefill: the MTP rows of positions [start, end) of a request row (its window, which a
+        PD decode server's first drafts read)."""
+        assert self.drafter is not None
+        return self.drafter.cache.read(req_idx, start, end)
+
+    def write_draft_window(self, req_idx: int, start: int, rows: torch.Tensor) -> None:
+        """PD decode: the prefill server's MTP rows of positions [start, start + len(rows)) into the
+        request row's ring, on every rank."""
+        assert self.drafter is not None
+        if self.followers is not None:
+            self.followers.window(req_idx, start, rows.cpu())
+        self.drafter.cache.write(req_idx, start, rows)
 
     def draft(self, rows: list[DraftRow], streams: torch.Tensor | None) -> dict[str, list[int]]:
         """The MTP layer over the rows (rank 0's choice, every rank runs it): request id -> drafts."""
@@ -362,7 +379,13 @@ class ModelRunner:
             following = [*seq.all_token_ids, *got][c.start + 1 : c.start + n + 1]
             if len(following) < n:  # an unfinished prefill's chunk ends where its prompt does not
                 continue
-            rows.append(DraftRow(seq.request_id, seq.req_idx, c.start, spans[i], following, c.sample))
+            if seq.draft_window_from is None:  # its first MTP pass on this row
+                seq.draft_window_from = c.start
+            rows.append(
+                DraftRow(
+                    seq.request_id, seq.req_idx, c.start, spans[i], following, c.sample, seq.draft_window_from
+                )
+            )
         if self.followers is not None:
             self.followers.draft(rows)
         drafts = self.draft(rows, streams)

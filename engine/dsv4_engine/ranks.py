@@ -111,10 +111,11 @@ class Message:
     """What rank 0 broadcasts: a step to run (with the allocator's changes to replay first), the
     MTP rows to draft after it (speculative decoding), or stop."""
 
-    kind: Literal["step", "draft", "stop"]
+    kind: Literal["step", "draft", "window", "stop"]
     journal: list[tuple[str, tuple]] = field(default_factory=list)
     step: StepPlan | None = None
     drafts: list[DraftRow] = field(default_factory=list)
+    window: tuple[int, int, torch.Tensor] | None = None  # a PD transfer's MTP rows: row, start, rows
 
 
 class StepBroadcast:
@@ -132,6 +133,9 @@ class StepBroadcast:
 
     def draft(self, rows: list[DraftRow]) -> None:
         self._send(Message("draft", drafts=rows))
+
+    def window(self, req_idx: int, start: int, rows: torch.Tensor) -> None:
+        self._send(Message("window", window=(req_idx, start, rows)))
 
     def stop(self) -> None:
         self._send(Message("stop"))
@@ -296,6 +300,9 @@ def follow(rank: Rank, parallel: Parallel, progress: Progress) -> None:
                 return
             if message.kind == "draft":
                 runner.draft(message.drafts, streams)
+                continue
+            if message.kind == "window" and message.window is not None:
+                runner.write_draft_window(*message.window)
                 continue
             allocator.replay(message.journal)
             if message.step is not None:

@@ -197,7 +197,7 @@ class Scheduler:
         if seq.req_idx is not None:
             self.allocator.free(seq.req_idx)  # the one free path: every page of every family
         seq.req_idx, seq.num_computed, seq.status = None, 0, SeqStatus.WAITING
-        seq.draft_token_ids = []
+        seq.draft_token_ids, seq.draft_window_from = [], None
         self.waiting.appendleft(seq)
         self.counters["num_preemptions"] += 1
 

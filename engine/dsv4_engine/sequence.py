@@ -45,6 +45,9 @@ class Sequence:
     # Speculative decoding: the tokens the MTP layer drafted after the last step, for the positions
     # after the last known token (the next step verifies them).
     draft_token_ids: list[int] = field(default_factory=list)
+    # The first position whose MTP row its request row's draft ring holds (speculative/draft_cache.py):
+    # set by its first MTP pass, or by a PD transfer's window; None again when it loses the row.
+    draft_window_from: int | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -154,12 +154,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def spawn(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
-    """Start servers (`spawn(name, *args)`); every one is stopped when the module ends."""
+    """Start servers (`spawn(name, *args)`, on the tiny model unless `model=`); every one is stopped
+    when the module ends."""
     log_dir = tmp_path_factory.mktemp("pd-logs")
     started: list[Server] = []
 
-    def make(name: str, *args: str, env: dict[str, str] | None = None) -> Server:
-        server = Server(tiny_model, log_dir, name, *args, env=env)
+    def make(name: str, *args: str, env: dict[str, str] | None = None, model: Path | None = None) -> Server:
+        server = Server(model or tiny_model, log_dir, name, *args, env=env)
         started.append(server)
         return server
 

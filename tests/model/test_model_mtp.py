@@ -30,7 +30,7 @@ def test_engine_mtp_logits_equal_the_reference() -> None:
         window, dim = model.config.sliding_window, model.config.head_dim
         cache = DraftCache(1, window, len(ids), dim, torch.float32, torch.device("cpu"))
         drafter = Drafter(model, cache, 1, kernels)
-        row = DraftRow("r", 0, 0, 0, ids[1:], draft=False)
+        row = DraftRow("r", 0, 0, 0, ids[1:], draft=False, window_from=0)
         out = drafter._pass([(row, 0, ids[1:])], streams[:-1])
         got = model.compute_logits(drafter.mtp.hidden(out, drafter.kernels), kernels)
         # The engine's ring (k = 1: window + 3 positions) over the same pass: only each row's last

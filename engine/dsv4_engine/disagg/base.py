@@ -123,6 +123,14 @@ class PdEngine(Protocol):
         """Decode: give back a pre-allocated row that never became a running request."""
         ...
 
+    def draft_geometry(self) -> tuple[int, int, torch.dtype] | None:
+        """(window, row width, dtype) of the MTP layer's window rows when this engine speculates."""
+        ...
+
+    def draft_window(self, req_idx: int, start: int, end: int) -> torch.Tensor:
+        """Prefill: the MTP rows of positions [start, end) of a request row (its window)."""
+        ...
+
     def admit_transferred(
         self,
         request_id: str,
@@ -136,6 +144,7 @@ class PdEngine(Protocol):
         prompt_logprobs: list[TokenLogprobs] | None = None,
         cached_tokens: int = 0,
         drafts: list[int] | None = None,
+        draft_window: tuple[int, torch.Tensor] | None = None,
     ) -> None:
         """Decode: the row's pages hold the request's state; run it from its first token."""
         ...

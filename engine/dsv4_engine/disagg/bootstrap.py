@@ -46,6 +46,9 @@ class SessionBody(_Body):
     aux_ptr: int
     fingerprint: dict[str, Any]
     staging_ptr: int | None = None  # a decode without a staging arena only takes direct writes
+    draft_ptr: int | None = (
+        None  # its MTP window slots (only if /route offered them, so older prefills never see it)
+    )
     ranks: list[RankSession] = []  # a parallel decode's other ranks (their state comes direct)
 
 
@@ -95,6 +98,9 @@ def create_bootstrap_app(rooms: PrefillRooms) -> FastAPI:
             "fingerprint_id": fingerprint_id(rooms.fingerprint),
             "instance": instance,
             "ranks": list(ranks.values()),
+            # What a decode needs to take the MTP window with the state (absent when this server
+            # does not speculate): its window slots must match.
+            **({"draft_window": rooms.draft_offer} if rooms.draft_offer else {}),
         }
 
     @app.put("/sessions/{decode_id}")
@@ -110,7 +116,7 @@ def create_bootstrap_app(rooms: PrefillRooms) -> FastAPI:
         rooms.register(
             DecodeSession(
                 decode_id, body.mooncake_session, body.dst_ptrs, body.aux_ptr, body.fingerprint,
-                staging_ptr=body.staging_ptr,
+                staging_ptr=body.staging_ptr, draft_ptr=body.draft_ptr,
                 ranks={r.rank: (r.mooncake_session, r.dst_ptrs) for r in body.ranks},
             )
         )  # fmt: skip
@@ -156,6 +162,7 @@ def create_bootstrap_app(rooms: PrefillRooms) -> FastAPI:
                 "logprobs": r.logprobs,
                 "cached_tokens": r.cached_tokens,
                 "draft_token_ids": r.draft_token_ids,
+                "draft_window_from": r.draft_window_from,
             }
         )
 

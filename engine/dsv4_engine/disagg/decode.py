@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import httpx
+import torch
 
 from dsv4_engine.disagg.base import EngineCalls, PdEngine, PdMetrics, Transport
 from dsv4_engine.disagg.decode_peers import PrefillPeer, PrefillPeers
@@ -43,9 +44,12 @@ from dsv4_engine.disagg.lanes import RankEndpoint
 from dsv4_engine.disagg.protocol import (
     PdError,
     PdTarget,
+    draft_offer,
+    draft_slots,
     read_cached_tokens,
     read_draft_tokens,
     read_logprobs,
+    read_window_from,
     register_state,
     stage_segments,
     staged_bytes,
@@ -102,7 +106,8 @@ class DecodeReceiver:
         self._tasks: set[asyncio.Task[Any]] = set()  # fire-and-forget work, kept alive until done
         rows = engine.req_pool.req_to_token.shape[0]
         self.staging = staging  # one span per room being received; freed with (or after) its pages
-        components, self.aux = register_state(transport, engine.kv_pool, rows, staging)
+        self.draft = draft_slots(engine.draft_geometry(), rows, engine.kv_pool.device)
+        components, self.aux = register_state(transport, engine.kv_pool, rows, staging, self.draft)
         self.page_bytes = {c.state_type: sum(c.item_lens) for c in components}
         session = {
             "mooncake_session": transport.session_id,
@@ -120,9 +125,12 @@ class DecodeReceiver:
                 }
                 for e in endpoints
             ]
+        draft = None
+        if self.draft is not None:  # taken from a prefill whose /route offers the same slots
+            draft = {"ptr": self.draft.data_ptr(), "offer": draft_offer(self.draft)}
         self.peers = PrefillPeers(
             self.decode_id, session, fingerprint=fingerprint, heartbeat_interval=heartbeat_interval,
-            heartbeat_failures=heartbeat_failures, metrics=metrics,
+            heartbeat_failures=heartbeat_failures, metrics=metrics, draft=draft,
         )  # fmt: skip
 
     # ---- base.DecodeSide (loop) --------------------------------------------------------------
@@ -193,12 +201,14 @@ class DecodeReceiver:
             first, prompt = read_logprobs(answer.get("logprobs"), params, prompt_ids, token)
             cached = read_cached_tokens(answer.get("cached_tokens"), len(prompt_ids))
             drafts = read_draft_tokens(answer.get("draft_token_ids"), self.engine.config.vocab_size)
+            window = self._draft_window(answer.get("draft_window_from"), req_idx, len(prompt_ids))
             args = (request_id, prompt_ids, params, req_idx, token, state)
             await self.bridge.run(
                 lambda e: e.admit_transferred(
-                    *args, first_logprobs=first, prompt_logprobs=prompt, cached_tokens=cached, drafts=drafts
+                    *args, first_logprobs=first, prompt_logprobs=prompt, cached_tokens=cached, drafts=drafts,
+                    draft_window=window,
                 )
-            )
+            )  # fmt: skip
             self.reserved.pop(req_idx, None)
             req_idx = None  # the engine owns it now (its free path frees it)
         except BaseException as exc:
@@ -217,6 +227,16 @@ class DecodeReceiver:
             if span is not None:  # unpacked (or never written): nothing can land in it any more
                 assert self.staging is not None
                 self.staging.free(span[0])
+
+    def _draft_window(self, value: Any, req_idx: int, prompt_len: int) -> tuple[int, torch.Tensor] | None:
+        """The MTP window the prefill wrote into the row's slot with the state, as (first position,
+        rows), checked; None when none came (a prefill that does not speculate, or older)."""
+        if self.draft is None:
+            return None
+        start = read_window_from(value, prompt_len, self.draft.shape[1])
+        if start is None:
+            return None
+        return start, self.draft[req_idx, : prompt_len - start].clone()
 
     async def _reserve(
         self, prompt_len: int, end: int, renew: Callable[[], Awaitable[None]]

@@ -53,9 +53,11 @@ class PrefillPeers:
         heartbeat_interval: float,
         heartbeat_failures: int,
         metrics: PdMetrics,
+        draft: dict[str, Any] | None = None,
     ) -> None:
         self.decode_id = decode_id
         self.session = session  # the body of PUT /sessions/{decode_id}: pointers and fingerprint
+        self.draft = draft  # this server's MTP window slots: {"ptr", "offer"} (speculating only)
         self.fingerprint = fingerprint
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_failures = heartbeat_failures
@@ -105,7 +107,10 @@ class PrefillPeers:
                     f"{1 + len(self.session['ranks'])} ranks, each written by a prefill rank of its own, "
                     "and the prefill predates per-rank transfer (no 'ranks' in its /route): upgrade it",
                 )
-            r = await peer.client.put(f"/sessions/{self.decode_id}", json=self.session)
+            body = self.session
+            if self.draft is not None and route.get("draft_window") == self.draft["offer"]:
+                body = {**body, "draft_ptr": self.draft["ptr"]}  # only to a prefill that offered it
+            r = await peer.client.put(f"/sessions/{self.decode_id}", json=body)
             if r.status_code != 200:
                 raise PdError.from_body(r.json())
         except (httpx.HTTPError, ValueError, KeyError) as exc:

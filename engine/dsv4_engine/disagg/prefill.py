@@ -26,7 +26,14 @@ from dsv4_engine.disagg.fingerprint import prompt_digest
 from dsv4_engine.disagg.lanes import RankEndpoint, RankLinks
 from dsv4_engine.disagg.prefill_send import ChunkSender
 from dsv4_engine.disagg.prefill_writer import TransferWorker
-from dsv4_engine.disagg.protocol import PdError, PdTarget, RoomStatus, register_state
+from dsv4_engine.disagg.protocol import (
+    PdError,
+    PdTarget,
+    RoomStatus,
+    draft_offer,
+    draft_slots,
+    register_state,
+)
 from dsv4_engine.disagg.room import DecodeSession, Room
 from dsv4_engine.memory import StateType
 from dsv4_engine.memory.staging import StagingArena
@@ -66,7 +73,9 @@ class PrefillRooms:
         self.by_request: dict[str, Room] = {}
         self.sessions: dict[str, DecodeSession] = {}
         rows = engine.req_pool.req_to_token.shape[0]
-        components, aux = register_state(transport, engine.kv_pool, rows, staging)
+        draft = draft_slots(engine.draft_geometry(), rows, engine.kv_pool.device)
+        self.draft_offer = draft_offer(draft)  # in /route: a decode whose slots match takes the window
+        components, aux = register_state(transport, engine.kv_pool, rows, staging, draft)
         self.src_types = [c.state_type for c in components]
         self._lock = threading.Lock()  # a room's failure against its next write (TransferWorker.lock)
         self.writer = TransferWorker(
@@ -81,7 +90,7 @@ class PrefillRooms:
         sender = ChunkSender(
             engine, components, aux, staging=staging, room_of=self.by_request.get,
             fail_soon=self._fail_soon, writer=self.writer, faults=faults, sources=sources,
-            steps_sent=links.sent if links is not None else lambda: 0,
+            steps_sent=links.sent if links is not None else lambda: 0, draft=draft,
         )  # fmt: skip
         engine.step_observers.append(sender.on_step)
 

@@ -58,6 +58,7 @@ class ChunkSender:
         faults: FaultHooks | None,
         sources: list[list[StateComponent]] | None = None,
         steps_sent: Callable[[], int] = lambda: 0,
+        draft: torch.Tensor | None = None,
     ) -> None:
         self.engine = engine
         self.components = components
@@ -67,6 +68,7 @@ class ChunkSender:
         self.src_types = [c.state_type for c in components]
         self.page_bytes = {c.state_type: sum(c.item_lens) for c in components}
         self.aux = aux  # one slot per request row, registered with the transport
+        self.draft = draft  # one MTP window slot per request row, registered too (when speculating)
         self.staging = staging  # only its size matters here: the worker packs
         self.room_of = room_of  # request id -> its room (the loop's map, read here)
         self.fail_soon = fail_soon
@@ -126,6 +128,7 @@ class ChunkSender:
             pack_aux(slot, token, seq.generator)
             room.cached_tokens = seq.num_cached_tokens or 0
             room.draft_token_ids = list(seq.draft_token_ids)
+            self._window(room, seq, job)
             room.logprobs = logprobs_body(
                 seq.step_logprobs[0] if seq.params.logprobs is not None and seq.step_logprobs else None,
                 list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
@@ -139,6 +142,24 @@ class ChunkSender:
             self.engine.allocator.pin(seq.req_idx)
             job.row = seq.req_idx
             self.writer.put(job)
+
+    def _window(self, room: Room, seq: Sequence, job: Job) -> None:
+        """The MTP layer's rows of the prompt's last positions (those the decode's first drafts read
+        besides their own: [n - window + 1, n)), into the decode's slot for its row, when it took
+        the offer: its drafts then read what a colocated server's would. A parallel decode's rank 0
+        hands them to its other ranks (ranks.py)."""
+        assert room.session is not None and room.dst_aux is not None and seq.req_idx is not None
+        if self.draft is None or room.session.draft_ptr is None or seq.draft_window_from is None:
+            return
+        n = len(seq.prompt_token_ids)
+        start = max(seq.draft_window_from, n - self.draft.shape[1] + 1, 0)
+        if start >= n:
+            return
+        slot = self.draft[seq.req_idx, : n - start]
+        slot.copy_(self.engine.draft_window(seq.req_idx, start, n))
+        dst = room.session.draft_ptr + room.dst_aux * self.draft[0].nbytes
+        job.entries.extend(Entries.one(slot.data_ptr(), dst, slot.nbytes))
+        room.draft_window_from = start
 
     def _lanes(
         self, room: Room, src: dict[StateType, list[int]], dst: dict[StateType, list[int]]

@@ -99,16 +99,23 @@ class PdTarget:
 
 
 def register_state(
-    transport: Transport, kv_pool: Dsv4TokenToKVPool, rows: int, staging: StagingArena | None = None
+    transport: Transport,
+    kv_pool: Dsv4TokenToKVPool,
+    rows: int,
+    staging: StagingArena | None = None,
+    draft: torch.Tensor | None = None,
 ) -> tuple[list[StateComponent], torch.Tensor]:
-    """Register every buffer of `pd_state_components()`, an aux slot per request row and the staging
-    arena (if any) with the transport, once: the same on both sides (the prefill reads from them,
-    the decode is written)."""
+    """Register every buffer of `pd_state_components()`, an aux slot per request row, the staging
+    arena and the MTP window slots (`draft`: `[rows, window, width]`, when the engine speculates)
+    with the transport, once: the same on both sides (the prefill reads from them, the decode is
+    written)."""
     components = kv_pool.pd_state_components()
     aux = torch.zeros((rows, AUX_BYTES), dtype=torch.uint8)
     extra = [(aux.data_ptr(), aux.nbytes)]
     if staging is not None:
         extra.append((staging.data_ptr, staging.nbytes))
+    if draft is not None:
+        extra.append((draft.data_ptr(), draft.nbytes))
     transport.register(
         [p for c in components for p in c.data_ptrs] + [p for p, _ in extra],
         [n for c in components for n in c.data_lens] + [n for _, n in extra],
@@ -190,6 +197,39 @@ def unpack_aux(buf: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         raise PdError("bad_aux", f"aux slot holds an impossible generator-state length {n}")
     state = buf[_AUX_HEAD.size : _AUX_HEAD.size + n].clone() if n else None
     return int(token), state
+
+
+# ---- the MTP window ------------------------------------------------------------------------------
+def draft_slots(
+    geometry: tuple[int, int, torch.dtype] | None, rows: int, device: torch.device
+) -> torch.Tensor | None:
+    """One slot per request row for the MTP layer's window rows (`[rows, window, width]`), which a
+    prefill fills from its draft ring and writes into the decode's slot with the request's state;
+    None when the engine does not speculate."""
+    if geometry is None:
+        return None
+    window, width, dtype = geometry
+    return torch.zeros((rows, window, width), dtype=dtype, device=device)
+
+
+def draft_offer(slots: torch.Tensor | None) -> dict[str, int] | None:
+    """What a prefill's /route offers and a decode's slots must match to take the window."""
+    if slots is None:
+        return None
+    return {"window": slots.shape[1], "row_bytes": slots[0, 0].nbytes}
+
+
+def read_window_from(value: Any, prompt_len: int, window: int) -> int | None:
+    """The first position of a transferred MTP window, checked: the rows are positions
+    [value, prompt_len), at most `window` of them."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= prompt_len - value <= window:
+        raise PdError(
+            "payload_mismatch",
+            f"draft_window_from {value!r} is not within {window} positions before {prompt_len}",
+        )
+    return value if value < prompt_len else None
 
 
 # ---- logprobs in the transfer's answer ----------------------------------------------------------

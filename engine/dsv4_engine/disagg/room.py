@@ -27,6 +27,7 @@ class DecodeSession:
     aux_ptr: int
     fingerprint: dict[str, Any]
     staging_ptr: int | None = None  # its staging arena, when it has one
+    draft_ptr: int | None = None  # its MTP window slots, when it takes this prefill's window
     # Its other ranks (a parallel decode server): rank -> (Mooncake session, buffer pointers per type).
     ranks: dict[int, tuple[str, dict[StateType, list[int]]]] = field(default_factory=dict)
     dead: bool = False  # a write to it failed (worker): later rooms fail fast until it registers again
@@ -58,6 +59,7 @@ class Room:
     logprobs: dict[str, Any] | None = None  # protocol.logprobs_body, sent with the transfer's answer
     cached_tokens: int = 0  # prompt tokens the prefill resumed from its prefix cache (for usage)
     draft_token_ids: list[int] = field(default_factory=list)  # its MTP layer's drafts after the first token
+    draft_window_from: int | None = None  # the first position of the MTP window rows sent with it
     # progress: the worker's
     writing: bool = False  # a write of this room is in the transport right now
     late: int = 0  # writes that abandoned entries Mooncake may still move (into the decode's pages)

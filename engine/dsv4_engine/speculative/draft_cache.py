@@ -4,9 +4,10 @@ A position p of request row r lives at slot `1 + r * ring + p % ring` (slot 0 ta
 drops, as the pools' sentinel does). A step's draft passes rewrite
 every position from the last accepted one on before reading it, and draft at most k positions past
 it, so with `ring >= window + 2k` a stale write never lands on a position a later query still reads.
-Positions the request never wrote here (before a prefix-cache hit, or before a PD transfer: the
-target's state came from elsewhere) are masked out of the window; they cost the draft context,
-never correctness.
+Each pass says which positions hold its request's rows (`Sequence.draft_window_from`, carried by
+`DraftRow.window_from`): those before are masked out of the window (before a prefix-cache hit the
+target's state came from the cache); they cost the draft context, never correctness. A PD decode
+server's rows start at the window the prefill server sent with the state (`write`).
 """
 
 from __future__ import annotations
@@ -28,24 +29,33 @@ class DraftCache:
         self.ring = window + 2 * num_draft_tokens + 1
         self.kv = torch.zeros(1 + rows * self.ring, dim, dtype=dtype, device=device)  # flat: slots
         self.device = device
-        self._owner: list[str | None] = [None] * rows
-        self._written_from = [0] * rows  # the first position the row's current request wrote
 
-    def slots(self, tokens: list[tuple[int, str, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For tokens (request row, request id, position), in a pass's order: the slot each writes
-        `[T]`, the slots of its window, oldest first, -1 where masked `[T, window]`, and whether it
-        writes at all `[T]`: a pass longer than the ring (a prefill chunk) keeps only each row's last
-        `ring` positions, whose slots it would otherwise write twice. Only the last token of a row
-        drafts, and its window is all there; earlier tokens of so long a pass read what the ring holds.
-        A request new to its row starts the row's written range at its first position."""
+    def _slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
+        return 1 + row * self.ring + positions % self.ring
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Positions [start, end) of request row `row`, oldest first (end - start <= ring)."""
+        return self.kv.index_select(0, self._slots(row, torch.arange(start, end)).to(self.device))
+
+    def write(self, row: int, start: int, rows: torch.Tensor) -> None:
+        """Rows `rows` as positions [start, start + len(rows)) of request row `row` (a PD transfer's
+        window: the prefill server computed them)."""
+        slots = self._slots(row, torch.arange(start, start + len(rows))).to(self.device)
+        self.kv.index_copy_(0, slots, rows.to(self.kv.dtype).to(self.device))
+
+    def slots(self, tokens: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For tokens (request row, the first position the row holds for its request, position), in
+        a pass's order: the slot each writes `[T]`, the slots of its window, oldest first, -1 where
+        masked `[T, window]`, and whether it writes at all `[T]`: a pass longer than the ring (a
+        prefill chunk) keeps only each row's last `ring` positions, whose slots it would otherwise
+        write twice. Only the last token of a row drafts, and its window is all there; earlier tokens
+        of so long a pass read what the ring holds."""
         last: dict[int, int] = {}
-        for row, request_id, pos in tokens:
-            if self._owner[row] != request_id:
-                self._owner[row], self._written_from[row] = request_id, pos
+        for row, _, pos in tokens:
             last[row] = max(last.get(row, pos), pos)
         rows = torch.tensor([t[0] for t in tokens], dtype=torch.long)
+        first = torch.tensor([t[1] for t in tokens], dtype=torch.long)
         pos = torch.tensor([t[2] for t in tokens], dtype=torch.long)
-        first = torch.tensor([self._written_from[t[0]] for t in tokens], dtype=torch.long)
         keep = pos > torch.tensor([last[t[0]] for t in tokens], dtype=torch.long) - self.ring
         window = pos[:, None] + torch.arange(1 - self.window, 1)[None, :]
         slots = 1 + rows[:, None] * self.ring + window % self.ring

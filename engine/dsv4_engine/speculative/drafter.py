@@ -35,6 +35,7 @@ class DraftRow:
     lo: int
     next_ids: list[int]
     draft: bool
+    window_from: int  # the first position whose MTP row the request's ring row holds
 
 
 class Drafter:
@@ -58,7 +59,7 @@ class Drafter:
     def _pass(self, rows: list[tuple[DraftRow, int, list[int]]], streams: torch.Tensor) -> torch.Tensor:
         """One MTP forward over (row, first position, token ids) with their input streams; its
         output streams."""
-        tokens = [(r.req_idx, r.request_id, start + j) for r, start, ids in rows for j in range(len(ids))]
+        tokens = [(r.req_idx, r.window_from, start + j) for r, start, ids in rows for j in range(len(ids))]
         out_slots, window_slots, keep = self.cache.slots(tokens)
         device = streams.device
         ids = torch.tensor([t for _, _, ids in rows for t in ids], dtype=torch.long, device=device)
