@@ -29,7 +29,15 @@ from dsv4_engine.options import split as split_options
 from dsv4_engine.parallel.groups import SINGLE, init_groups, rank_device
 from dsv4_engine.parallel.groups import prewarm as prewarm_groups
 from dsv4_engine.parallel.shard import check_sizes
-from dsv4_engine.ranks import StepBroadcast, Workers, build_rank, load_model, share_sizes, threads_per_rank
+from dsv4_engine.ranks import (
+    RankService,
+    StepBroadcast,
+    Workers,
+    build_rank,
+    load_model,
+    share_sizes,
+    threads_per_rank,
+)
 from dsv4_engine.sampler import TokenLogprobs
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.scheduler import Scheduler, SchedulerOutput, Sequence
@@ -58,9 +66,12 @@ class LLMEngine:
         device: str | torch.device = "cpu",
         *,
         tokenizer: object | None = None,
+        rank_service: RankService | None = None,
         **options: Any,
     ) -> None:
-        """`options`: `EngineOptions`' fields (options.py), by name; others are logged and ignored."""
+        """`options`: `EngineOptions`' fields (options.py), by name; others are logged and ignored.
+        `rank_service`: what each other rank of a parallel server runs beside its steps (a PD
+        server's own transport per rank: disagg/lanes.serve), passed in by the server."""
         known, ignored = split_options(options)
         if ignored:
             log.info("LLMEngine ignores options it does not use yet: %s", sorted(ignored))
@@ -79,7 +90,7 @@ class LLMEngine:
             cfg = self.engine_config = dataclasses.replace(cfg, device=rank_device(cfg.device, 0))
             if cfg.device.type == "cpu":
                 torch.set_num_threads(threads_per_rank(cfg.tp_size))
-            self.workers = Workers(cfg)
+            self.workers = Workers(cfg, rank_service)
             try:
                 self.parallel = init_groups(0, cfg.tp_size, cfg.ep_size, self.workers.init_method, cfg.device)
                 if cfg.prewarm:

@@ -31,20 +31,17 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.engine_config import EngineConfig
-from dsv4_engine.memory import Dsv4MemoryLayout, PagedMemory, PoolSizes
+from dsv4_engine.memory import Dsv4MemoryLayout, Dsv4TokenToKVPool, PagedMemory, PoolSizes
 from dsv4_engine.model import Dsv4ForCausalLM
 from dsv4_engine.model_runner import ModelRunner, StepPlan
 from dsv4_engine.parallel.groups import SINGLE, Parallel, destroy_groups, init_groups, prewarm, rank_device
 from dsv4_engine.speculative import DraftRow
-
-if TYPE_CHECKING:
-    from dsv4_engine.disagg.lanes import Progress
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +148,37 @@ class WorkerArgs:
     init_method: str
     log_level: int  # rank 0's: the ranks log as it does, their lines marked with their rank
     link: multiprocessing.connection.Connection  # the rank's end of its pipe to rank 0
+    service: RankService | None  # what the rank runs on its link beside the steps
+
+
+# What a rank runs on its thread beside the steps, given its link to rank 0, its pools, the steps'
+# progress, its rank and device (a PD server's: disagg/lanes.serve, its own transport). The server
+# passes it in, so this layer never imports the PD one; a module-level function pickles by name.
+RankService = Callable[[multiprocessing.connection.Connection, Dsv4TokenToKVPool, "Progress", int, str], None]
+
+
+class Progress:
+    """Step messages a rank other than 0 has run (`follow` counts, a rank service waits on it: a PD
+    write of a step's pages must not read them before this rank's forward filled them)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._cond = threading.Condition()
+
+    def advance(self) -> None:
+        with self._cond:
+            self.count += 1
+            self._cond.notify_all()
+
+    def wait(self, count: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.count >= count)
 
 
 class Workers:
     """Ranks 1..N-1 as child processes of rank 0, watched."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, service: RankService | None = None) -> None:
         self.cfg = cfg
         self._dir = tempfile.TemporaryDirectory(prefix="dsv4-ranks-")
         self.init_method = f"file://{self._dir.name}/rendezvous"
@@ -171,7 +193,7 @@ class Workers:
         self.processes = [
             ctx.Process(
                 target=worker_main,
-                args=(WorkerArgs(cfg, rank, self.init_method, level, theirs),),
+                args=(WorkerArgs(cfg, rank, self.init_method, level, theirs, service),),
                 name=f"dsv4-rank{rank}",
                 daemon=True,
             )
@@ -264,7 +286,12 @@ def worker_main(args: WorkerArgs) -> None:
     )
     rank = build_rank(cfg, model, share_sizes(parallel, None))
     rank.runner.warmup()
-    progress = _serve_link(args, rank, cfg)
+    progress = Progress()
+    if args.service is not None:
+        threading.Thread(
+            target=args.service, args=(args.link, rank.memory.kv, progress, args.rank, str(cfg.device)),
+            name="dsv4-rank-service", daemon=True,
+        ).start()  # fmt: skip
     follow(rank, parallel, progress)
     destroy_groups()
     # Told to stop, with nothing left to write: leave without the interpreter's teardown, where a
@@ -272,19 +299,6 @@ def worker_main(args: WorkerArgs) -> None:
     # called without an active exception", seen once in CI as exit code -6).
     logging.shutdown()
     os._exit(0)
-
-
-def _serve_link(args: WorkerArgs, rank: Rank, cfg: EngineConfig) -> Progress:
-    """Serve rank 0's requests on the link (disagg/lanes.py: this rank's PD transport) beside the
-    steps; returns the steps' progress, which a write waits on."""
-    from dsv4_engine.disagg.lanes import Progress, serve
-
-    progress = Progress()
-    threading.Thread(
-        target=serve, args=(args.link, rank.memory.kv, progress, args.rank, str(cfg.device)),
-        name="dsv4-lane", daemon=True,
-    ).start()  # fmt: skip
-    return progress
 
 
 def follow(rank: Rank, parallel: Parallel, progress: Progress) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 from dsv4_engine.disagg.base import TransferError, Transport
 from dsv4_engine.disagg.transfer import Entries
 from dsv4_engine.memory import Dsv4TokenToKVPool, StateType
+from dsv4_engine.ranks import Progress
 
 log = logging.getLogger("dsv4.pd.lanes")
 
@@ -42,23 +43,6 @@ class RankEndpoint:
     rank: int
     session: str
     ptrs: dict[StateType, list[int]]
-
-
-class Progress:
-    """Step messages a rank other than 0 has run (ranks.follow counts, the lane server waits on it)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._cond = threading.Condition()
-
-    def advance(self) -> None:
-        with self._cond:
-            self.count += 1
-            self._cond.notify_all()
-
-    def wait(self, count: int) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.count >= count)
 
 
 class RemoteWrite:

@@ -41,7 +41,16 @@ def default_engine_factory(settings: ServerSettings) -> EngineFactory:
         from dsv4_engine.engine import LLMEngine
 
         device = resolve_device(settings.device)  # `auto` means the same here as in `dsv4 serve`
-        return LLMEngine(settings.model, dtype=settings.dtype, device=device, **settings.engine_kwargs())
+        service = None
+        if settings.disaggregation_mode != "null":  # every rank transfers for itself
+            from dsv4_engine.disagg.lanes import serve as service
+        return LLMEngine(
+            settings.model,
+            dtype=settings.dtype,
+            device=device,
+            rank_service=service,
+            **settings.engine_kwargs(),
+        )
 
     return build
 
