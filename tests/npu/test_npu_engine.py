@@ -4,7 +4,9 @@ greedy tokens equal the CPU path's on the torch kernel set, token for token, wit
 torch_npu ops in the forward, both eagerly and as aclgraphs (one capture per decode bucket at start,
 replayed on the same static buffers). A bf16 model with DSV4's attention shapes runs the decode step's
 attention, indexer and pool writes on npu_sparse_flash_attention, npu_lightning_indexer and
-npu_scatter_nd_update_ in every decode forward, eager and captured, with the CPU path's tokens. Seeded sampling draws from `torch.Generator(device="npu")`
+npu_scatter_nd_update_ in every decode forward, eager and captured, with the CPU path's tokens. Every
+decode forward (eager and captured) runs each MoE layer's shared expert on a second stream, every
+prefill forward on one. Seeded sampling draws from `torch.Generator(device="npu")`
 and is reproducible. What it took: the request tables written through device tensors (an int32 table
 through its float32 view: Ascend's IndexPut refuses int32 values), extend metadata built on the host
 and moved to the tables' device, packed decode weights rebound with `set_`."""
@@ -46,7 +48,7 @@ class Run:
 
     tokens: list[list[int]]
     alone: list[int]  # the first seeded request again, alone, on the same engine
-    forwards: list[Counter[str]] | None  # torch_npu op calls per model forward (the reference's count)
+    forwards: list[Forward] | None  # each model forward's ops (the reference's record)
     kernels: tuple[str, str]  # the extend and decode kernel sets' class names
     on_npu: dict[str, bool]
     pages_back: bool
@@ -58,7 +60,7 @@ def _params(temperature: float, max_tokens: int, seed: int | None) -> Any:
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
 
 
-def _run(llm: Any, forwards: list[Counter[str]] | None = None) -> Run:
+def _run(llm: Any, forwards: list[Forward] | None = None) -> Run:
     engine = llm.engine
     got = [o.token_ids for o in llm.generate(PROMPTS, [_params(*r) for r in REQUESTS])]
     alone = llm.generate([PROMPTS[2]], _params(*REQUESTS[2]))[0].token_ids
@@ -109,11 +111,14 @@ def npu_eager(
     from dsv4_engine import LLM
 
     with importable_torch_npu() as torch_npu:
+        reference = getattr(torch_npu, "reference", None)
         llm = LLM(str(checkpoint), device="npu", enforce_eager=True, **OPTIONS)
         try:
-            return _run(llm, _count_op_calls_per_forward(llm.engine.model, torch_npu))
+            return _run(llm, _forwards(llm.engine.model, reference))
         finally:
             llm.close()
+            if reference is not None:
+                reference.stream_log = None
 
 
 def test_greedy_on_npu_equals_the_cpu_path(npu_eager: Run, cpu_tokens: list[list[int]]) -> None:
@@ -122,10 +127,31 @@ def test_greedy_on_npu_equals_the_cpu_path(npu_eager: Run, cpu_tokens: list[list
     assert npu_eager.tokens[:GREEDY] == cpu_tokens
     if npu_eager.forwards is not None:  # the reference records calls; the real torch_npu does not
         assert len(npu_eager.forwards) >= 2 + 5  # two prefill chunks, then a decode step per new token
-        for ran in npu_eager.forwards:
+        for f in npu_eager.forwards:
+            ran = f.ops
             assert all(ran[op] >= 1 for op in PER_FORWARD), ran
             assert ran["npu_grouped_matmul"] == 2 * ran["npu_moe_init_routing_v2"], ran
+        _check_streams(npu_eager.forwards)
     assert npu_eager.pages_back
+
+
+def _check_streams(forwards: list[Forward]) -> None:
+    """Extend forwards run on the default stream alone; every decode forward runs each MoE layer's
+    shared expert (its npu_swiglu) on one second stream and everything else routed on the default."""
+    assert any(f.decode for f in forwards) and any(not f.decode for f in forwards)
+    alts = set()
+    for f in forwards:
+        streams = {s for _, s in f.streams}
+        if not f.decode:
+            assert streams == {0}, streams
+            continue
+        assert len(streams) == 2 and 0 in streams, streams
+        (alt,) = streams - {0}
+        alts.add(alt)
+        layers = f.ops["npu_moe_gating_top_k"]
+        assert f.on(alt).count("npu::npu_swiglu") == layers, f.on(alt)
+        assert not any(name.startswith("npu::npu_moe") or "grouped" in name for name in f.on(alt))
+    assert len(alts) == 1  # one alt stream for the engine's life
 
 
 def test_seeded_sampling_on_npu_is_reproducible(npu_eager: Run) -> None:
@@ -170,6 +196,11 @@ def test_decode_graphs_on_npu(
         for bs in buckets:
             graph = runner._graphs[bs]
             assert graph in reference.captures
+            # The MoE's shared expert captured on the alt stream, forked from the capture stream.
+            alt = runner.kernels._alt.stream_id
+            assert {e.stream for e in graph.tape} == {graph._stream, alt}
+            taped = Counter(e.name for e in graph.tape if e.stream == alt)
+            assert taped["npu::npu_swiglu"] == len(llm.engine.model.model.layers), taped
             assert len(graph.replays) > replays[bs]  # the traffic ran through every bucket
             # The graph reads only buffers that live as long as the runner (weights, pools, tables,
             # metadata, step inputs), and every replay reads the step inputs the host wrote.
@@ -196,20 +227,35 @@ def _storages(tensors: Any) -> list[tuple[int, int]]:
     ]
 
 
-def _count_op_calls_per_forward(model: torch.nn.Module, torch_npu: ModuleType) -> list[Counter[str]] | None:
-    """The torch_npu op calls of each model forward from now on, from the reference's counts: from
-    the first layer's start to the final norm's end."""
-    reference = getattr(torch_npu, "reference", None)
+@dataclass
+class Forward:
+    """One model forward's torch_npu op calls and device ops (op, stream), from the reference."""
+
+    decode: bool  # a decode step's (its batch a DecodeBatch), else an extend step's
+    ops: Counter[str]
+    streams: list[tuple[str, int]]
+
+    def on(self, stream: int) -> list[str]:
+        return [name for name, s in self.streams if s == stream]
+
+
+def _forwards(model: torch.nn.Module, reference: Any) -> list[Forward] | None:
+    """Each model forward from now on, from the first layer's start to the final norm's end; turns
+    on the reference's stream log (the caller turns it off)."""
     if reference is None:
         return None
-    forwards: list[Counter[str]] = []
-    start: list[Counter[str]] = []
+    reference.stream_log = []
+    forwards: list[Forward] = []
+    start: list[tuple[bool, Counter[str], int]] = []
 
-    def before(*_: object) -> None:
-        start.append(Counter(reference.op_calls))
+    def before(_: object, args: tuple[Any, ...]) -> None:
+        decode = type(args[1]).__name__ == "DecodeBatch"
+        start.append((decode, Counter(reference.op_calls), len(reference.stream_log)))
 
     def after(*_: object) -> None:
-        forwards.append(Counter(reference.op_calls) - start.pop())
+        decode, counts, logged = start.pop()
+        ops = Counter(reference.op_calls) - counts
+        forwards.append(Forward(decode, ops, reference.stream_log[logged:]))
 
     model.model.layers[0].register_forward_pre_hook(before)
     model.model.norm.register_forward_hook(after)
@@ -269,7 +315,7 @@ def test_decode_attention_runs_on_the_sparse_ops(
             try:
                 model = llm.engine.model
                 ratios = [layer.self_attn.ratio for layer in model.model.layers]
-                forwards = _decode_op_calls(model, reference) if eager else None
+                forwards = _forwards(model, reference) if eager else None
                 assert [o.token_ids for o in llm.generate(PROMPTS[:GREEDY], params)] == cpu, eager
                 if reference is None:
                     continue
@@ -279,14 +325,15 @@ def test_decode_attention_runs_on_the_sparse_ops(
                 }
                 writes = len(ratios) + sum(r > 0 for r in ratios) + ratios.count(4)  # KV + state rows
                 if eager:
-                    assert forwards is not None and sum(d for d, _ in forwards) >= 5, forwards
-                    for decode, ran in forwards:
+                    assert forwards is not None and sum(f.decode for f in forwards) >= 5
+                    for ran, decode in ((f.ops, f.decode) for f in forwards):
                         if decode:
                             assert {op: ran[op] for op in want} == want, ran
                             assert ran["npu_scatter_nd_update_"] >= writes, ran
                         else:
                             assert ran["npu_sparse_flash_attention"] >= len(ratios), ran
-                    assert sum(ran["npu_lightning_indexer"] for d, ran in forwards if not d) >= 1
+                    assert sum(f.ops["npu_lightning_indexer"] for f in forwards if not f.decode) >= 1
+                    _check_streams(forwards)
                     continue
                 runner = llm.engine.runner.decode_runner()
                 assert runner.mode == "graph"
@@ -296,23 +343,5 @@ def test_decode_attention_runs_on_the_sparse_ops(
                     assert taped["npu_scatter_nd_update_"] >= writes, (bs, taped)
             finally:
                 llm.close()
-
-
-def _decode_op_calls(model: torch.nn.Module, reference: Any) -> list[tuple[bool, Counter[str]]] | None:
-    """(decode step?, torch_npu op calls) of each model forward from now on, from the reference's
-    counts; a forward is a decode step's when its batch is a `DecodeBatch`."""
-    if reference is None:
-        return None
-    forwards: list[tuple[bool, Counter[str]]] = []
-    start: list[tuple[bool, Counter[str]]] = []
-
-    def before(_: object, args: tuple[Any, ...]) -> None:
-        start.append((type(args[1]).__name__ == "DecodeBatch", Counter(reference.op_calls)))
-
-    def after(*_: object) -> None:
-        decode, counts = start.pop()
-        forwards.append((decode, Counter(reference.op_calls) - counts))
-
-    model.model.layers[0].register_forward_pre_hook(before)
-    model.model.norm.register_forward_hook(after)
-    return forwards
+                if reference is not None:
+                    reference.stream_log = None

@@ -10,6 +10,8 @@ row apart by more than bf16 rounding, so the comparison is well posed in both dt
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
@@ -165,6 +167,144 @@ def test_the_decode_variant_captures_the_moe_as_a_graph(torch_npu: ModuleType) -
         x.copy_(dev["x"] + shift)  # in place: the buffer the graph reads
         graph.replay()
         _close(out.cpu(), step().cpu(), torch.float32)
+
+
+# --- the decode set's two streams: the shared expert beside the routed experts ----------------------
+Thunks = tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]
+ROUTED_OPS = (
+    "npu_moe_gating_top_k",
+    "npu_moe_init_routing_v2",
+    "npu_grouped_matmul",
+    "npu_moe_finalize_routing",
+)
+
+
+def _moe_layer() -> Callable[[KernelSet, torch.Tensor], Thunks]:
+    """A MoE layer's two halves on "npu" weights, as `MoE.forward` hands them to
+    `routed_and_shared`: (router + routed experts, shared expert) of a kernel set and an input."""
+    r = _router(torch.float32)
+    g = torch.Generator().manual_seed(10)
+    dev = {name: t.to("npu") for name, t in r.items()}
+    gate_up, down = (
+        (torch.randn(E, 2 * INTER, D, generator=g) / 4).to("npu"),
+        (torch.randn(E, D, INTER, generator=g) / 4).to("npu"),
+    )
+    s_gate_up, s_down = (
+        (torch.randn(2 * INTER, D, generator=g) / 4).to("npu"),
+        (torch.randn(D, INTER, generator=g) / 4).to("npu"),
+    )
+
+    def halves(kernels: KernelSet, x: torch.Tensor) -> Thunks:
+        def routed() -> torch.Tensor:
+            weights, ids = kernels.route(x, dev["input_ids"], dev["weight"], dev["bias"], False, K, SCALE)
+            return kernels.routed_experts(x, gate_up, down, ids, weights, LIMIT)
+
+        return routed, lambda: kernels.shared_expert(x, s_gate_up, s_down, LIMIT)
+
+    return halves
+
+
+def _one_stream(kernels: KernelSet, halves: Thunks) -> torch.Tensor:
+    """The base form: routed, then shared, on the current stream."""
+    return KernelSet.routed_and_shared(kernels, *halves)
+
+
+def test_the_decode_set_overlaps_the_shared_expert_bit_for_bit(torch_npu: ModuleType) -> None:
+    from dsv4_engine.kernels.npu import NpuDecodeKernels
+
+    layer, decode = _moe_layer(), NpuDecodeKernels()
+    x = (3 * torch.randn(T, D, generator=torch.Generator().manual_seed(11))).to("npu")
+    got = decode.routed_and_shared(*layer(decode, x))
+    want = _one_stream(decode, layer(decode, x))
+    assert torch.equal(got.cpu(), want.cpu())
+    assert not torch.equal(want.cpu(), layer(decode, x)[0]().cpu())  # the shared expert is in the sum
+
+
+def _logged(reference: ModuleType, fn: Callable[[], torch.Tensor]) -> list[tuple[str, int]]:
+    reference.stream_log = []
+    try:
+        fn()
+        return reference.stream_log
+    finally:
+        reference.stream_log = None
+
+
+def test_the_shared_expert_runs_on_the_alt_stream_and_the_routed_ops_on_the_main_one(
+    reference_npu: ModuleType,
+) -> None:
+    """Per op: the routed chain (route, init_routing, both grouped matmuls, its SwiGLU, finalize) and
+    the sum on the calling stream, the shared expert's matmuls and SwiGLU on one alt stream, the same
+    one every call (made once per set); the extend set stays on one stream."""
+    from dsv4_engine.kernels.npu import NpuDecodeKernels, NpuKernels
+
+    layer, decode = _moe_layer(), NpuDecodeKernels()
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(12)).to("npu")
+    main = torch.npu.current_stream().stream_id
+    calls = [
+        _logged(reference_npu.reference, lambda: decode.routed_and_shared(*layer(decode, x)))
+        for _ in range(2)
+    ]
+    alt = decode._alt.stream_id
+    assert alt != main
+    for log in calls:
+        on = {name: {s for n, s in log if n == f"npu::{name}"} for name in (*ROUTED_OPS, "npu_swiglu")}
+        assert on == {**{op: {main} for op in ROUTED_OPS}, "npu_swiglu": {main, alt}}, on
+        side = [n for n, s in log if s == alt]
+        assert side.count("npu::npu_swiglu") == 1 and len(side) >= 3, side  # gate/up, SwiGLU, down
+        assert log[-1][0].startswith("aten::add") and log[-1][1] == main  # the sum, after the join
+    assert {s for n, s in calls[0] + calls[1]} == {main, alt}
+    extend = NpuKernels()
+    log = _logged(reference_npu.reference, lambda: extend.routed_and_shared(*layer(extend, x)))
+    assert {s for _, s in log} == {main}
+
+
+def test_the_two_streams_capture_as_one_decode_graph(torch_npu: ModuleType) -> None:
+    """Captured once on the capture stream (the alt stream forked from it and joined back), then
+    replayed on new inputs written into the static buffer: the one-stream values, bit for bit."""
+    from dsv4_engine.kernels.npu import NpuDecodeKernels
+
+    layer, decode = _moe_layer(), NpuDecodeKernels()
+    x = torch.zeros(T, D, device="npu")  # the static input buffer
+    decode.routed_and_shared(*layer(decode, x))  # an eager warm-up makes the alt stream, as the runner's
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph):
+        out = decode.routed_and_shared(*layer(decode, x))
+    if hasattr(graph, "tape"):  # the reference records each captured op's stream
+        assert {e.stream for e in graph.tape} == {graph._stream, decode._alt.stream_id}
+    for seed in (13, 14):
+        x.copy_(torch.randn(T, D, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        assert torch.equal(out.cpu(), _one_stream(decode, layer(decode, x)).cpu()), seed
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("dropped", ["join", "fork"])
+def test_dropping_a_wait_is_a_hazard(
+    reference_npu: ModuleType, monkeypatch: pytest.MonkeyPatch, dropped: str, captured: bool
+) -> None:
+    """Mutations of `routed_and_shared`: without the main stream's wait on the alt stream the sum
+    reads the shared output unordered; without the alt stream's wait on the main stream the shared
+    expert reads x unordered (and, in a capture, runs on a stream the capture never forked)."""
+    from dsv4_engine.kernels.npu import NpuDecodeKernels
+
+    layer, decode = _moe_layer(), NpuDecodeKernels()
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(15)).to("npu")
+    decode.routed_and_shared(*layer(decode, x))  # makes the alt stream
+    alt, wait = decode._alt, torch.npu.Stream.wait_stream
+
+    def wait_but_the_dropped(self: torch.npu.Stream, other: torch.npu.Stream) -> None:
+        if (self == alt) == (dropped == "fork") and alt in (self, other):
+            return
+        wait(self, other)
+
+    monkeypatch.setattr(torch.npu.Stream, "wait_stream", wait_but_the_dropped)
+    errors: tuple[type[Exception], ...] = (reference_npu._streams.StreamHazard,)
+    if captured and dropped == "fork":
+        errors = (reference_npu._device.CaptureError,)
+    capture = torch.npu.graph(torch.npu.NPUGraph()) if captured else contextlib.nullcontext()
+    with pytest.raises(errors), capture:
+        x.add_(1.0)  # x written again on the calling stream
+        decode.routed_and_shared(*layer(decode, x))
 
 
 # --- what the ops refuse, as the device does (the messages are the reference's) ---------------------

@@ -18,6 +18,7 @@ Shapes: T tokens (rows) first; H heads; D head dim; R RoPE dims (the trailing R 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -141,6 +142,13 @@ class KernelSet(ABC):
     @abstractmethod
     def shared_expert(self, x: Tensor, gate_up: Tensor, down: Tensor, limit: float) -> Tensor:
         """`down @ swiglu(gate_up @ x)` with gate_up `[2I, D]` (gate rows first), down `[D, I]`."""
+
+    def routed_and_shared(self, routed: Callable[[], Tensor], shared: Callable[[], Tensor]) -> Tensor:
+        """A MoE layer's output `[T, D]`: `routed()` (the router and routed experts, a fresh tensor)
+        plus `shared()` (the shared expert), added in place in that order. Where and when each runs is
+        the set's choice (the NPU decode set overlaps them on two streams); here one after the other,
+        on the current stream."""
+        return routed().add_(shared())
 
     # ---- attention of an extend step (one request's chunk at a time, dense keys) -------------------
     @abstractmethod

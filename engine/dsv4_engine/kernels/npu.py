@@ -9,7 +9,8 @@ the clamped `npu_swiglu`, `npu_grouped_matmul`, `npu_moe_finalize_routing`), W8A
 (`npu_dynamic_quant` + `npu_quant_matmul`) and W8A8 routed experts (the same MoE ops with int8 grouped
 matmuls, `npu_dynamic_quant` before each), the attention over the window and compressed pages
 (`npu_sparse_flash_attention`, one call per pool, merged by their softmax statistics), the CSA
-indexer (`npu_lightning_indexer`) and every paged write (`npu_scatter_nd_update_`).
+indexer (`npu_lightning_indexer`) and every paged write (`npu_scatter_nd_update_`). The decode
+variant runs each MoE layer's shared expert on a second stream beside its routed experts.
 
 The rules: an op is used only where its documented constraints hold (bf16/fp16, DSV4's 512/64/128
 head dims, a power-of-2 head count, the indexer's sparse_count list); anything else (an fp32 model,
@@ -24,6 +25,7 @@ torch_npu is imported when the set is built, which happens only for an `npu` dev
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -412,6 +414,31 @@ class NpuKernels(_NpuOps, TorchKernels):
 
 
 class NpuDecodeKernels(_NpuOps, StaticTorchKernels):
-    """The batched decode step's NPU set (static shapes, no host reads: graph-capturable)."""
+    """The batched decode step's NPU set (static shapes, no host reads: graph-capturable), which
+    overlaps each MoE layer's shared expert with its routed experts on a second stream."""
 
     name = "npu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._alt: Any = None  # the shared expert's stream: one per set, made on the first step
+
+    def routed_and_shared(self, routed: Callable[[], Tensor], shared: Callable[[], Tensor]) -> Tensor:
+        """The shared expert on the alt stream while the router and routed experts (gating top-k,
+        init_routing, two grouped matmuls, finalize) run on the current one: at decode sizes both are
+        chains of small ops that fill each other's gaps (the seed turns this overlap on for NPU).
+        Alt forks from the current stream before reading x and joins back before the sum, which
+        aclgraph captures as one graph. Memory: alt reads only x and weights, made on the current
+        stream and held past the join (the caller holds x through the sum), so no `record_stream`;
+        the shared output is alt's and read only after the join. Same ops and the same sum as one
+        stream, so the same output bit for bit."""
+        npu = self.npu.npu
+        main = npu.current_stream()
+        if self._alt is None:
+            self._alt = npu.Stream(device=main.device)
+        self._alt.wait_stream(main)  # x and everything before it are written
+        with npu.stream(self._alt):
+            shared_out = shared()
+        out = routed()
+        main.wait_stream(self._alt)  # the shared output is complete
+        return out.add_(shared_out)

@@ -10,7 +10,8 @@ sum to 1, times `routed_scaling_factor`. Every expert, the shared one included (
 On several ranks (parallel/groups.py) the router is replicated, each rank holds its expert group's
 routed experts with its slice of their intermediate size, and its slice of the shared expert's;
 the routed and shared partial sums go through one all-reduce. Each module runs its op on the step's
-kernel set (`KernelSet.route`, `routed_experts` or, int8, `quant_routed_experts`, `shared_expert`).
+kernel set (`KernelSet.route`, `routed_experts` or, int8, `quant_routed_experts`, `shared_expert`),
+and the set's `routed_and_shared` runs the two halves (one after the other, or overlapped).
 """
 
 from __future__ import annotations
@@ -126,8 +127,13 @@ class MoE(Module):
         self.shared_experts = SharedExpert(config, parallel)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Routed plus shared experts `[T, D]`, summed over the ranks."""
-        k = batch.kernels
-        weights, ids = self.gate(x, batch.input_ids, k)
-        routed = self.experts(x, weights, ids, k)
-        return self.parallel.all_reduce(routed.add_(self.shared_experts(x, k, batch.shared_pack(self.layer))))
+        """Routed plus shared experts `[T, D]`, summed over the ranks. The set decides how the two
+        run (`KernelSet.routed_and_shared`: on NPU decode steps, on two streams)."""
+        k, pack = batch.kernels, batch.shared_pack(self.layer)
+
+        def routed() -> torch.Tensor:
+            weights, ids = self.gate(x, batch.input_ids, k)
+            return self.experts(x, weights, ids, k)
+
+        out = k.routed_and_shared(routed, lambda: self.shared_experts(x, k, pack))
+        return self.parallel.all_reduce(out)

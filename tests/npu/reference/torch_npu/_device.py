@@ -44,6 +44,9 @@ import torch
 import torch.utils.dlpack as dlpack
 from torch.utils._pytree import tree_map
 
+from . import _streams
+from ._streams import CaptureError
+
 NAME = "npu"
 _kDLCPU, _kDLExtDev = 1, 12  # DLDeviceType values (dlpack.h)
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -124,10 +127,6 @@ def current_device() -> int:
     return _state.thread.device or 0
 
 
-class CaptureError(RuntimeError):
-    """What aclgraph refuses while a stream is being captured."""
-
-
 @dataclass
 class TapeEntry:
     """One op recorded during capture; replay runs `fn(*args, **kwargs)` again."""
@@ -137,6 +136,7 @@ class TapeEntry:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     result: Any
+    stream: int = 0  # the stream it was issued to (a capture may fork side streams)
 
 
 class _Thread(threading.local):
@@ -192,8 +192,15 @@ _CROSS_DEVICE = {
 }
 
 
-def execute(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run one device op now and, while a graph is being captured, append it to the graph's tape."""
+def execute(
+    name: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    written: list[torch.Tensor] = (),  # type: ignore[assignment]
+) -> Any:
+    """Run one device op now on the current stream (`_streams` checks its ordering; written: the
+    arguments it writes in place) and, while a graph is being captured, append it to the tape."""
     if _state.updating is not None and not _state.quiet:
         return _state.updating.take(name, fn, args, kwargs)  # graph-task update: no launch
     if _state.thread.device is None and threading.current_thread() is not threading.main_thread():
@@ -205,12 +212,40 @@ def execute(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         if name in _DATA_DEPENDENT:
             raise CaptureError(f"{name} has a data-dependent output shape and cannot be captured")
         args, kwargs = tree_map(_frozen, (args, kwargs))
+    launch = None if _state.quiet or name in _ALLOCATIONS else _streams.issue(name, (args, kwargs), written)
     result = fn(*args, **kwargs)
+    if launch is not None:
+        _streams.done(launch, written, result)
+    elif name in _ALLOCATIONS:
+        _streams.allocated(result)  # new memory: what used the address before is not its history
     if recording:
-        _state.capturing.record(TapeEntry(name, fn, args, kwargs, result))
+        _state.capturing.record(TapeEntry(name, fn, args, kwargs, result, _streams.current_id()))
     elif _state.capturing is not None and name in _ALLOCATIONS:
         _state.capturing.allocated(result)  # from the graph's pool: not an input of the graph
     return result
+
+
+def written_slots(schema: torch._C.FunctionSchema) -> list[tuple[int, str]]:
+    """(position, name) of the arguments an op writes in place: those its schema marks `(a!)`."""
+    return [
+        (i, a.name)
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+def written_args(
+    slots: list[tuple[int, str]], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """The "npu" tensors in an op's written `slots` (`written_slots`)."""
+    out: list[torch.Tensor] = []
+    for i, name in slots:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        tree_map(lambda x: out.append(x) if is_npu(x) else None, value)
+    return out
+
+
+_WRITTEN: dict[torch._ops.OpOverload, list[tuple[int, str]]] = {}  # aten op -> its written slots
 
 
 def _frozen(x: Any) -> Any:
@@ -388,12 +423,15 @@ def _fallback(keyset: torch._C.DispatchKeySet, op: torch._ops.OpOverload, *args:
         src, dst = args[0], args[1]
         if name.endswith("_and_resize") and dst.shape != src.shape:
             dst.resize_(src.shape)
-        return execute(name, _copy_from, (src, dst), {})
-    if name == "aten::record_stream":  # one stream of work here: nothing to order
-        return None
+        return execute(name, _copy_from, (src, dst), {}, [dst])
+    if name == "aten::record_stream":  # kept for tests; the allocator's reuse is not modelled
+        return _streams.record_stream(*args)
     if _is_metadata_op(op):
         return op.redispatch(_CPU_KEYS, *args, **kwargs)
-    return execute(name, lambda *a, **k: _on_host(op, *a, **k), args, kwargs)
+    if op not in _WRITTEN:
+        _WRITTEN[op] = written_slots(op._schema)
+    written = written_args(_WRITTEN[op], args, kwargs)
+    return execute(name, lambda *a, **k: _on_host(op, *a, **k), args, kwargs, written)
 
 
 _libraries: list[torch.library.Library] = []  # kept alive: a Library deregisters when collected

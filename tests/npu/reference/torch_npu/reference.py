@@ -10,6 +10,8 @@ captures: list[Any] = []  # every NPUGraph captured in this process, in order
 # Calls of each torch_npu op ("npu_grouped_matmul": n) issued by the caller (a graph replay re-runs
 # its tape without counting), so a test can show which ops a forward ran; tests may clear it.
 op_calls: Counter[str] = Counter()
+# (op, stream id) of every device op issued while a test has set this to a list (`_streams`).
+stream_log: list[tuple[str, int]] | None = None
 
 
 def implicit_contexts() -> list[str]:

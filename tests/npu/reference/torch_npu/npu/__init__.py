@@ -1,9 +1,9 @@
 """`torch.npu` as the reference provides it: devices, memory, streams and events, graphs.
 
 Names and signatures follow torch_npu 2.14.0 (`torch_npu/npu/__init__.py`, `utils.py`, `streams.py`,
-`memory.py`, `graphs.py` in the wheel). Work is synchronous here, so streams and events only keep
-the bookkeeping the engine relies on: which stream is current (graph capture refuses the default
-stream, as aclgraph does) and that `wait_stream`/`record_event`/`synchronize` exist.
+`memory.py`, `graphs.py` in the wheel). Work is synchronous here; streams and events keep the order
+the device would give it (`_streams`): which stream each op ran on, what each stream waited for, and
+an access no wait orders is refused. Graph capture refuses the default stream, as aclgraph does.
 
 Memory: `mem_get_info` reports a device of `reference.memory_total` bytes (default 1 GiB, so an
 engine sizing its pools by free memory stays small on a CPU) minus what "npu" tensors hold now.
@@ -12,13 +12,12 @@ engine sizing its pools by free memory stays small on a CPU) minus what "npu" te
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from .. import _device
+from .. import _device, _streams
 from .graphs import (
     NPUGraph,
     graph,
@@ -97,7 +96,7 @@ def manual_seed_all(seed: int) -> None:
 
 
 def synchronize(device: Any = None) -> None:
-    pass  # work is synchronous
+    _streams.synchronize()  # work is synchronous; this orders every stream's work before later work
 
 
 # --- memory -------------------------------------------------------------------------------------
@@ -118,21 +117,32 @@ def empty_cache() -> None:
 
 
 # --- streams and events -------------------------------------------------------------------------
-class Stream:
-    """A stream handle. `npu_stream` is an id, unique per stream (0 is the default stream)."""
+_DEVICE_TYPE = 20  # c10::DeviceType::PrivateUse1, which the reference renames "npu"
+
+
+class Stream(torch.Stream):
+    """A stream handle (a `torch.Stream` of the "npu" device, so `Tensor.record_stream` takes it).
+    `npu_stream` is its id, unique per stream (0 is the default stream). Work runs at once; `_streams`
+    keeps the order the device would give it and refuses accesses that order does not cover."""
 
     _ids = iter(range(1, 1 << 62))
 
-    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
-        self.device = torch.device(_device.NAME, _device._index(device))
-        self.priority = priority
-        self.npu_stream = kwargs.get("_id", next(Stream._ids))
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
+        stream_id = kwargs.get("_id", next(Stream._ids))
+        index = _device._index(device)
+        return super().__new__(cls, stream_id=stream_id, device_index=index, device_type=_DEVICE_TYPE)
 
-    def wait_stream(self, stream: Stream) -> None:
-        pass
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.priority = priority
+        self.npu_stream = self.stream_id
+
+    def wait_stream(self, stream: torch.Stream) -> None:
+        if stream.stream_id != self.stream_id:
+            self.wait_event(stream.record_event())
 
     def wait_event(self, event: Event) -> None:
-        pass
+        if event.recorded_on is not None:
+            _streams.wait(self.stream_id, event.recorded_on.stream_id, event.tasks)
 
     def record_event(self, event: Event | None = None) -> Event:
         event = event or Event()
@@ -143,39 +153,37 @@ class Stream:
         return True
 
     def synchronize(self) -> None:
-        pass
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Stream) and other.npu_stream == self.npu_stream
-
-    def __hash__(self) -> int:
-        return hash(self.npu_stream)
+        _streams.synchronize()  # more than the device orders; nothing here relies on less
 
     def __repr__(self) -> str:
         return f"<torch_npu.npu.Stream device={self.device} npu_stream={self.npu_stream}>"
 
 
 class Event:
+    """Records what its stream has issued (`_streams.snapshot`); a stream waiting on it is ordered
+    after that. Waiting on an event never recorded is a no-op, as on the device."""
+
     def __init__(
         self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
     ) -> None:
         self.recorded_on: Stream | None = None
+        self.tasks: dict[int, int] = {}
 
     def record(self, stream: Stream | None = None) -> None:
         self.recorded_on = stream or current_stream()
+        self.tasks = _streams.snapshot(self.recorded_on.stream_id)
 
     def wait(self, stream: Stream | None = None) -> None:
-        pass
+        (stream or current_stream()).wait_event(self)
 
     def query(self) -> bool:
         return True
 
     def synchronize(self) -> None:
-        pass
+        _streams.synchronize()
 
 
 _default_streams: dict[int, Stream] = {}
-_current = threading.local()
 
 
 def default_stream(device: Any = None) -> Stream:
@@ -186,11 +194,11 @@ def default_stream(device: Any = None) -> Stream:
 
 
 def current_stream(device: Any = None) -> Stream:
-    return getattr(_current, "stream", None) or default_stream(device)
+    return _streams.current() or default_stream(device)
 
 
 def set_stream(stream: Stream) -> None:
-    _current.stream = stream
+    _streams.set_current(stream)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,8 @@ buffers, and host values (a Python list of lengths, a CPU tensor) are the ones s
 replay after the engine has refreshed its static buffers *in place* gives the right answer, and one
 after it rebound a buffer to a new tensor, or changed a host-side length, gives the stale answer it
 would give on the device. Capture refuses what aclgraph refuses: the default stream, host reads of
-device values, host<->device copies, ops with data-dependent shapes (see `_device.py`).
+device values, host<->device copies, ops with data-dependent shapes (see `_device.py`), and work
+on a stream that did not fork from the capture stream, or was not joined back (`_streams.py`).
 
 For tests, each graph keeps what it saw: `input_ptrs` (device buffers the tape reads that were made
 before capture), `output_ptrs` (what it writes), `replays` (per replay, the input pointers it read),
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .. import _device
+from .. import _device, _streams
 from .._device import CaptureError, TapeEntry
 
 
@@ -53,7 +54,7 @@ class _TaskGroup:
             _device._state.updating, _device._state.update_calls = None, []  # the update is abandoned
             captured = entry.name if entry is not None else f"{self.end - self.start} ops"
             raise RuntimeError(f"graph task update: captured {captured} but updated with {name}")
-        calls.append(TapeEntry(name, fn, args, kwargs, entry.result))
+        calls.append(TapeEntry(name, fn, args, kwargs, entry.result, entry.stream))
         return entry.result
 
 
@@ -69,6 +70,7 @@ class NPUGraph:
         self.task_updates = 0
         self._open_group: _TaskGroup | None = None
         self._made: set[int] = set()  # storages allocated during capture (the graph's pool)
+        self._stream = 0  # the capture stream
 
     # --- capture ---------------------------------------------------------------------------------
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
@@ -83,7 +85,9 @@ class NPUGraph:
                 f"capture_error_mode must be global, thread_local or relaxed, got {capture_error_mode!r}"
             )
         self.reset()
+        self._stream = current_stream().stream_id
         _device._state.capturing = self
+        _streams.begin_capture(self._stream)
 
     def record(self, entry: TapeEntry) -> None:
         # An input is a buffer whose storage existed before capture (views of captured outputs are not).
@@ -103,6 +107,11 @@ class NPUGraph:
         if _device._state.capturing is not self:
             raise CaptureError("capture_end without capture_begin on this graph")
         _device._state.capturing = None
+        try:
+            _streams.end_capture(self._stream, ok=True)  # a side stream left unjoined: no graph
+        except CaptureError:
+            self.reset()
+            raise
         self.captured = True
         from .. import reference
 
@@ -183,8 +192,9 @@ class graph:
         self.npu_graph.auto_dispatch_capture = auto_dispatch_capture
 
     def __enter__(self) -> None:
-        from . import current_stream, set_stream
+        from . import current_stream, set_stream, synchronize
 
+        synchronize()  # as torch_npu's graph.__enter__ does: earlier work on every stream is done
         self._before = current_stream()
         set_stream(self.capture_stream)
         self.npu_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)
@@ -198,6 +208,7 @@ class graph:
                     self.npu_graph.capture_end()
                 else:  # a failed capture leaves no graph
                     _device._state.capturing = None
+                    _streams.end_capture(self.npu_graph._stream, ok=False)
                     self.npu_graph.reset()
         finally:
             set_stream(self._before)

@@ -68,6 +68,7 @@ def op(schema: str, *, capturable: bool = True) -> Callable[[Callable[..., Any]]
 
     def register(host: Callable[..., Any]) -> Any:
         _lib.define(schema)
+        slots = _device.written_slots(torch._C.parse_schema(schema))
 
         def run(*args: Any, **kwargs: Any) -> Any:
             return _device.on_host(host, args, kwargs)
@@ -77,7 +78,8 @@ def op(schema: str, *, capturable: bool = True) -> Callable[[Callable[..., Any]]
             if not capturable and _device._state.capturing is not None and not _device._state.quiet:
                 raise _device.CaptureError(f"npu::{name} does not support aclgraph capture")
             reference.op_calls[name] += 1
-            return _device.execute(f"npu::{name}", run, args, kwargs)
+            written = _device.written_args(slots, args, kwargs)
+            return _device.execute(f"npu::{name}", run, args, kwargs, written)
 
         _lib.impl(name, kernel, "PrivateUse1")
         packet = getattr(torch.ops.npu, name.split(".")[0])
