@@ -273,6 +273,9 @@ class Scheduler:
                 break
             seq.req_idx = self.allocator.alloc_request()
             hit = self._resume_cached(seq)
+            # Resuming shares the cache's pages: a page an earlier chunk releases may now stay taken
+            # (it was the cache's alone, so evictable), so what the step's chunks need is counted again.
+            planned = self._planned_after(specs)
             if not self._add_chunk(seq, budget, planned, chunks, specs):
                 self.allocator.free(seq.req_idx)
                 seq.req_idx, seq.num_computed, seq.cache_cuts = None, 0, set()
