@@ -5,12 +5,17 @@ then decodes one token (so the window and state watermarks are in their steady s
 the pages it then holds in each family times the bytes one page costs in the pools' buffers. The pools
 live on torch's meta device, so nothing of 1M tokens is actually allocated.
 
+It then prices a prefix-cache snapshot (the SWA window and the C4 state a resume at a page boundary
+reads) and what the pools of one budget hold with 4-row C4 snapshot slots against whole C4 state
+pages per snapshot (the earlier layout).
+
     python bench/memory_table.py [--page-size 128] [--chunk 8192]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +26,16 @@ from dsv4_engine.memory import (
     PagedMemory,
     PoolSizes,
     StateType,
+)
+from dsv4_engine.memory.sizing import (
+    c4_slot_bytes,
+    c4_state_page_bytes,
+    fixed_pool_sizes,
+    full_page_bytes,
+    plan_pool_sizes,
+    pool_bytes,
+    swa_page_bytes,
+    table_bytes,
 )
 from dsv4_engine.memory.state_tail import cdiv
 
@@ -119,12 +134,38 @@ def table(page_size: int, chunk: int) -> str:
     return "\n".join(lines)
 
 
+def snapshot_table(page_size: int, budget_gib: int, max_reqs: int, max_ctx: int, batched: int) -> str:
+    """Bytes per snapshot, and the pools of one budget with `max_reqs` snapshots (the engine's
+    `snapshots = max_num_seqs`), slots against whole C4 state pages."""
+    layout = Dsv4MemoryLayout.from_config(FLASH, page_size=page_size, kv_dtype=torch.bfloat16)
+    swa = cdiv(layout.window, page_size) * swa_page_bytes(layout)
+    page, slot = c4_state_page_bytes(layout), c4_slot_bytes(layout)
+    budget, kw = budget_gib * GIB, {"max_reqs": max_reqs, "max_batched_tokens": batched}
+    now = plan_pool_sizes(layout, budget, max_ctx=max_ctx, snapshots=max_reqs, **kw)
+    # The earlier layout: no slots, one more C4 state page per snapshot; the rest to full pages.
+    fixed = fixed_pool_sizes(layout, 0, snapshots=max_reqs, **kw)
+    fixed = dataclasses.replace(fixed, c4_state_pages=fixed.c4_state_pages + max_reqs, c4_snapshot_slots=0)
+    per_full = full_page_bytes(layout)
+    before = (budget - pool_bytes(layout, fixed) + per_full - table_bytes(max_reqs, max_ctx)) // per_full - 1
+    more = now.full_pages - before
+    return "\n".join([
+        f"Prefix-cache snapshot, page {page_size}: SWA window {mib(swa)} MiB + C4 state: whole page "
+        f"{mib(page)} MiB (total {mib(swa + page)} MiB) -> 4-row slot {mib(slot)} MiB "
+        f"(total {mib(swa + slot)} MiB)",
+        f"Pools of {budget_gib} GiB, max_num_seqs {max_reqs} (= snapshots), max_ctx {max_ctx}: "
+        f"c4 state pages {fixed.c4_state_pages} -> {now.c4_state_pages} + {now.c4_snapshot_slots} slots; "
+        f"full pages {before} -> {now.full_pages} (+{more}, +{more * page_size} tokens of context)",
+    ])  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (a multiple of the page size)")
     args = ap.parse_args(argv)
     print(table(args.page_size, args.chunk))
+    print()
+    print(snapshot_table(args.page_size, budget_gib=64, max_reqs=64, max_ctx=1 << 17, batched=8192))
 
 
 if __name__ == "__main__":

@@ -393,6 +393,7 @@ class LLMEngine:
             observe(out, first)
         had = {c.seq.request_id: len(c.seq.output_token_ids) for c in out.chunks}
         finished = {seq.request_id for seq in self.scheduler.postprocess(out, new_tokens)}
+        self.runner.apply_state_copies()  # the snapshots postprocess took: their rows, now
         for chunk in out.chunks:
             seq = chunk.seq
             rid = seq.request_id

@@ -191,6 +191,13 @@ class ModelRunner:
             self.followers.window(req_idx, start, rows.cpu())
         self.drafter.cache.write(req_idx, start, rows)
 
+    def apply_state_copies(self) -> None:
+        """Copy the C4 state rows the allocator queued to and from the prefix cache's snapshot slots:
+        before a forward (the requests it resumes read theirs) and after a step (the snapshots it
+        took, before anything can write their rows again). A follower rank runs them at the same
+        points, replaying the journal (ranks.py)."""
+        self.kv_pool.apply_state_copies(self.allocator.take_state_copies())
+
     def draft(self, rows: list[DraftRow], streams: torch.Tensor | None) -> dict[str, list[int]]:
         """The MTP layer over the rows (rank 0's choice, every rank runs it): request id -> drafts."""
         assert self.drafter is not None and (streams is not None or not rows)
@@ -264,6 +271,7 @@ class ModelRunner:
         requests' masks (a verify's: one per row), computed while the forward runs. With a drafter,
         every request then gets its next drafts in `seq.draft_token_ids`."""
         step = StepPlan.of(out)
+        self.apply_state_copies()
         if self.followers is not None:  # the server's other ranks run the same forwards
             self.followers.send(self.allocator.take_journal(), step)
         logits: dict[int, torch.Tensor] = {}  # chunk index -> logits of its rows that need them

@@ -318,7 +318,7 @@ def follow(rank: Rank, parallel: Parallel, progress: Progress) -> None:
             if message.kind == "window" and message.window is not None:
                 runner.write_draft_window(*message.window)
                 continue
-            allocator.replay(message.journal)
+            allocator.replay(message.journal, rank.memory.kv.apply_state_copies)
             if message.step is not None:
                 streams = runner.forward(message.step)
                 progress.advance()

@@ -41,6 +41,8 @@ def _assert_released(llm: LLM) -> None:
         assert m[f"pool_total/{fam}"] > 0, fam
         assert m[f"pool_free/{fam}"] == m[f"pool_total/{fam}"], fam
         assert m[f"pool_usage/{fam}"] == 0.0, fam
+    slots = llm.engine.allocator.snapshot_slots  # the snapshots' C4 state rows
+    assert slots.num_free == slots.num_pages, (slots.num_free, slots.num_pages)
     assert llm.engine.allocator.num_free_requests() == llm.engine.max_num_seqs
     assert m["num_running"] == 0 and m["num_waiting"] == 0 and not llm.engine.requests
 

@@ -59,6 +59,26 @@ def test_parallel_greedy_equals_one_rank_and_hf(
     assert same == len(LENGTHS) or excused
 
 
+def test_a_resumed_request_on_two_ranks_equals_one_rank(checkpoints: dict[str, Path]) -> None:
+    """Every rank restores a resumed request's C4 state rows from its own snapshot slot (rank 0's
+    journal carries the copies): the greedy tokens after a hit are one rank's."""
+    base = random_ids(300, seed=9)
+    prompts = [base, base[:260] + random_ids(30, seed=10)]  # the second resumes at 256
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+
+    def run(**kwargs: object) -> tuple[list[list[int]], int]:
+        llm = LLM(checkpoints["A"], dtype="float32", max_model_len=1024, max_num_seqs=8, num_pages=64,
+                  chunked_prefill_size=128, **kwargs)  # fmt: skip
+        try:
+            outs = [llm.generate([p], params)[0] for p in prompts]
+            return [o.token_ids for o in outs], outs[1].num_cached_tokens
+        finally:
+            llm.close()
+
+    two, one = run(tp_size=2), run()
+    assert two == one and one[1] == 256
+
+
 def test_speculative_decoding_on_two_ranks() -> None:
     """Speculative decoding on a 2-rank server: every rank runs the sharded MTP layer over the rows
     rank 0 chose (ranks.py "draft" messages), so the drafts are accepted as on one rank and the

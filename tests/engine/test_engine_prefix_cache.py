@@ -111,8 +111,13 @@ def test_eviction_under_a_small_pool(make_llm, assert_released):
     assert all(o.finish_reason == "length" for o in first + again)
     assert [o.token_ids for o in again] == [o.token_ids for o in first[-2:]]
     assert all(o.num_cached_tokens == 512 for o in again)
-    cache = llm.engine.allocator.prefix_cache
+    alloc = llm.engine.allocator
+    cache = alloc.prefix_cache
     assert cache is not None and cache.num_nodes <= 24 < 12 * 4  # 12 prompts offered 4 pages each
+    # One 4-row slot per snapshot (max_num_seqs of them), and no C4 state page held by the cache.
+    assert 0 < cache.num_snapshots <= alloc.snapshot_slots.num_pages == 4
+    assert alloc.snapshot_slots.num_free == 4 - cache.num_snapshots
+    assert alloc.num_free()["c4s"] == alloc.pools["c4s"].num_pages
     assert llm.engine.metrics()["num_preemptions"] == 0
     assert_released(llm)
 

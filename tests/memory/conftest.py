@@ -50,9 +50,10 @@ def make_mem() -> Callable[..., Mem]:
         max_ctx: int = 2048,
         decode: bool = False,
         prefix_cache: bool = False,
+        snapshot_slots: int = 8,
     ) -> Mem:
         layout = small_layout(page_size, window, ratios)
-        sizes = PoolSizes(full_pages, swa_pages, state_pages, state_pages)
+        sizes = PoolSizes(full_pages, swa_pages, state_pages, state_pages, snapshot_slots)
         # decode: a disaggregated decode server's memory, 2 extra rows for in-transfer requests.
         mem = PagedMemory.build(
             layout, sizes, max_reqs, max_ctx, pre_alloc_rows=2 if decode else 0, prefix_cache=prefix_cache

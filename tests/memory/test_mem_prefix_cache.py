@@ -1,8 +1,8 @@
 """The prefix cache's memory side: page holders, what a snapshot keeps, resuming, eviction, replay.
 
 Layout (conftest): page 128, window 16, layers [swa, c4, c128, swa]. A prefix P = 256 cached by a row
-whose chunk ended there keeps full pages 0-1, the SWA page of [240, 256) (page 1) and the C4 state page
-of block [252, 256) (page 1); C128 has no partial block at a multiple of 128.
+whose chunk ended there keeps full pages 0-1, the SWA page of [240, 256) (page 1) and, in a snapshot
+slot, the C4 state rows of block [252, 256); C128 has no partial block at a multiple of 128.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 
 from dsv4_engine.memory import ExtendSpec, OutOfPages, PagePool
 from dsv4_engine.memory.req_to_token import Dsv4ReqToTokenPool
+from dsv4_engine.memory.state_copies import StateCopy
 from dsv4_engine.testing import random_ids
 
 TOKENS = random_ids(600, seed=11)
@@ -70,19 +71,22 @@ def test_snapshot_keeps_what_resuming_at_the_boundary_reads(make_mem) -> None:
     held = a.pages_of(r)
     hit = cache.match(TOKENS, 599, touch=False)
     assert hit.length == 256 and hit.matched == 256 and list(hit.full) == held["full"][:2]
-    assert set(hit.snapshot) == {"swa", "c4s"}  # C128: no partial block at 256
-    assert list(hit.snapshot["swa"]) == [1] and list(hit.snapshot["c4s"]) == [1]
+    assert set(hit.snapshot) == {"swa"} and hit.slot == 1  # C128: no partial block at 256
+    assert list(hit.snapshot["swa"]) == [1]
+    row = int(pool.req_to_token_c4_state[r, 252])  # the state slot of position 252 (P - 4)
+    assert a.take_state_copies() == [StateCopy(slot=1, row=row, save=True)]
     before = _tables(pool, r, 256)
     a.alloc_extend([ExtendSpec(r, 256, 300)])  # the row moves on; its pages below 256 never change
     a.free(r)
-    # Nothing the cache keeps went back to the pools; everything else did.
+    # Nothing the cache keeps went back to the pools; everything else did: no C4 state page, one slot.
     assert a.num_available() == {f: p.num_pages for f, p in a.pools.items()}
     assert {f: p.num_pages - p.num_free for f, p in a.pools.items()} == {
         "full": 2,
         "swa": 1,
-        "c4s": 1,
+        "c4s": 0,
         "c128s": 0,
     }
+    assert a.snapshot_slots.num_free == a.snapshot_slots.num_pages - 1
 
     # A new row resumes: its tables read exactly what the first row's did, within what a step from
     # 256 reads (the SWA window [240, 256) and the C4 state of [252, 256)).
@@ -92,12 +96,16 @@ def test_snapshot_keeps_what_resuming_at_the_boundary_reads(make_mem) -> None:
     for t in ("req_to_token", "req_to_token_c4", "req_to_token_c128"):
         assert after[t] == before[t], t
     assert after["req_to_token_swa"][240:] == before["req_to_token_swa"][240:]
-    assert after["req_to_token_c4_state"][252:] == before["req_to_token_c4_state"][252:]
+    # Its C4 state page of [128, 256) is its own; the slot's rows go back to [252, 256) of it.
+    (own,) = a.pages_of(r2)["c4s"]
+    assert after["req_to_token_c4_state"][128:] == list(range(own * 128, own * 128 + 128))
+    assert a.take_state_copies() == [StateCopy(slot=1, row=own * 128 + 124, save=False)]
     a.alloc_extend([ExtendSpec(r2, 256, 400)])  # the step reads the shared pages, writes its own
     assert a.pages_of(r2)["full"][:2] == list(hit.full)
     a.free(r2)
     a.flush_cache()
     assert a.num_free() == {f: p.num_pages for f, p in a.pools.items()}
+    assert a.snapshot_slots.num_free == a.snapshot_slots.num_pages
 
 
 def test_a_chunk_past_the_boundary_leaves_its_snapshot_and_only_the_latest(make_mem) -> None:
@@ -174,18 +182,24 @@ def test_replicas_replay_the_cache(make_mem) -> None:
     r = a.alloc_request()
     _prefill(a, r, [128, 256])
     a.cache_prefix(r, TOKENS[:256])
+    taken = a.take_state_copies()  # the model runner's, after each step and before each forward
     a.free(r)
     r = a.alloc_request()
     a.match_prefix(r, TOKENS, 599)
+    taken += a.take_state_copies()
     _prefill(a, r, [512])
     a.cache_prefix(r, TOKENS[:512])
+    taken += a.take_state_copies()
     _prefill(a, r, [600])
     a.free(r)
     r2 = a.alloc_request()
     _prefill(a, r2, [640])  # five pages of eight, four cached: one leaf is evicted
     assert a.prefix_cache is not None and a.prefix_cache.num_nodes == 3
     a.flush_cache()
-    follower.alloc.replay(a.take_journal())
+    ran: list[StateCopy] = []
+    follower.alloc.replay(a.take_journal(), ran.extend)
+    assert ran == taken and [c.save for c in taken] == [True, False, True]
     assert follower.alloc.num_free() == a.num_free()
+    assert follower.alloc.snapshot_slots.num_free == a.snapshot_slots.num_free
     for t in TABLES:
         assert getattr(follower.req_pool, t).equal(getattr(lead.req_pool, t)), t

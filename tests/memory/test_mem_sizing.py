@@ -7,6 +7,7 @@ import torch
 
 from dsv4_engine.memory import Dsv4MemoryLayout, Dsv4TokenToKVPool, StateType, plan_pool_sizes
 from dsv4_engine.memory.sizing import (
+    c4_slot_bytes,
     c4_state_page_bytes,
     c128_state_page_bytes,
     full_page_bytes,
@@ -34,12 +35,18 @@ def test_budget_is_respected_and_fills_full_pages() -> None:
         (0, 4, 128, 0), head_dim=16, index_head_dim=8, window=32, kv_dtype=torch.float32
     )
     budget = 8 << 20
-    sizes = plan_pool_sizes(layout, budget, max_reqs=4, max_ctx=2048, max_batched_tokens=512)
+    kw = {"max_reqs": 4, "max_ctx": 2048, "max_batched_tokens": 512}
+    sizes = plan_pool_sizes(layout, budget, snapshots=4, **kw)
     kv = Dsv4TokenToKVPool(layout, sizes)
     used = kv.total_bytes() + table_bytes(4, 2048)
     assert used <= budget < used + full_page_bytes(layout)  # leftover is less than one full page
-    assert sizes.swa_pages == 4 * (1 + 2) + 4  # ceil(32/128) + 2 per request, + 512/128 in flight
+    assert sizes.swa_pages == 4 * (1 + 2) + 4 + 4  # ceil(32/128) + 2 per request, + 512/128 in flight
+    # + a window per snapshot; a snapshot's C4 state is a 4-row slot, not a state page
     assert sizes.c4_state_pages == 4 * 2 + 2 * 4 and sizes.c128_state_pages == 4 * 3 + 2 * 4
+    assert sizes.c4_snapshot_slots == 4 and c4_slot_bytes(layout) * 128 == 4 * c4_state_page_bytes(layout)
+    without = plan_pool_sizes(layout, budget, **kw)  # the slots cost what only a few rows do
+    spent = (without.full_pages - sizes.full_pages) * full_page_bytes(layout)
+    assert abs(spent - 4 * (swa_page_bytes(layout) + c4_slot_bytes(layout))) < full_page_bytes(layout)
 
 
 def test_budget_too_small_names_the_numbers() -> None:

@@ -31,9 +31,12 @@ class Harness:
         out = self.sched.schedule()
         if out is None:
             return []
+        self.alloc.take_state_copies()  # what the model runner does before the forward
         self.steps.append(out)
         sampled = {c.seq.request_id: fake_token(c.seq.request_id, c.end) for c in out.chunks if c.sample}
-        return self.sched.postprocess(out, sampled)
+        finished = self.sched.postprocess(out, sampled)
+        self.alloc.take_state_copies()  # and after the step (the snapshots it took)
+        return finished
 
     def run(self, max_steps: int = 10_000) -> None:
         n = 0
@@ -57,10 +60,11 @@ def make_harness() -> Callable[..., Harness]:
         chunk_size: int | None = None,
         max_num_seqs: int = 8,
         prefix_cache: bool = False,
+        snapshot_slots: int = 8,
     ) -> Harness:
         layout = Dsv4MemoryLayout((0, 4, 128, 0), head_dim=8, index_head_dim=4, window=16, page_size=page_size,
                                   kv_dtype=torch.float32)  # fmt: skip
-        sizes = PoolSizes(full_pages, swa_pages, state_pages, state_pages)
+        sizes = PoolSizes(full_pages, swa_pages, state_pages, state_pages, snapshot_slots)
         req_pool = Dsv4ReqToTokenPool(max_reqs, max_ctx)
         alloc = Dsv4Allocator(layout, sizes, req_pool, prefix_cache=prefix_cache)
         config = SchedulerConfig(

@@ -89,11 +89,13 @@ def test_any_workload_reads_only_resident_state(
                 del release_at[rid]
         out = h.sched.schedule()
         if out is not None:
+            h.alloc.take_state_copies()  # the model runner's, before the forward
             for c in out.chunks:
                 _assert_resident(h, c)
             h.steps.append(out)
             sampled = {c.seq.request_id: 7 for c in out.chunks if c.sample}
             h.sched.postprocess(out, sampled)
+            h.alloc.take_state_copies()
         step += 1
         assert step < 5000, "no progress"
     for s in seqs:

@@ -17,7 +17,10 @@ defers to the last `unpin`.
 It also owns the prefix cache (prefix_cache.py), when enabled: `match_prefix` starts a new row from
 the longest cached prefix, sharing its pages; `cache_prefix` offers a row's computed prefix to it. The
 cache's pages that no request holds count as available (`num_available`): an allocation short of
-free pages evicts them first, so a cached prefix never makes a request wait or be preempted.
+free pages evicts them first, so a cached prefix never makes a request wait or be preempted. A
+snapshot's C4 state rows live in a slot pool of their own; the allocator queues the copies to and from
+those slots (state_copies.py) and the model runner runs them before the next forward
+(`take_state_copies`): the allocator itself never touches tensor data.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .journal import Journaled
 from .layout import Dsv4MemoryLayout
 from .out_cache_loc import DSV4OutCacheLoc, ExtendSpec
 from .page_pool import OutOfPages, PagePool
@@ -45,12 +49,13 @@ from .req_pages import (
 )
 from .req_to_token import Dsv4ReqPool, TableWrites
 from .sizing import PoolSizes
+from .state_copies import SNAPSHOT_ROWS, StateCopies, StateCopy
 from .state_tail import cdiv, state_read_range, swa_keep_from
 
 __all__ = ["FAMILIES", "Dsv4Allocator"]
 
 
-class Dsv4Allocator:
+class Dsv4Allocator(Journaled):
     def __init__(
         self, layout: Dsv4MemoryLayout, sizes: PoolSizes, req_pool: Dsv4ReqPool, *, prefix_cache: bool = False
     ) -> None:
@@ -71,46 +76,26 @@ class Dsv4Allocator:
         self._journal: list[tuple[str, tuple]] | None = None
         self._pins: dict[int, int] = {}  # row -> pins (PD writes queued or in flight that read it)
         self._deferred: set[int] = set()  # rows freed while pinned: freed at their last unpin
-        self.prefix_cache = PrefixCache(self.pools, self.page_size) if prefix_cache else None
+        # One slot per prefix-cache snapshot: the 4 C4 state rows a resume reads (not a family: only
+        # the cache takes slots, and a request never holds one).
+        self.snapshot_slots = PagePool("c4_snapshot", sizes.c4_snapshot_slots if has_c4 else 0)
+        self.state_copies = StateCopies(self.pools["c4s"], self.snapshot_slots, self.page_size)
+        self.prefix_cache = (
+            PrefixCache(self.pools, self.page_size, self.snapshot_slots, self.state_copies)
+            if prefix_cache
+            else None
+        )
 
-    # ---- replication (parallel/: the other ranks of a server mirror rank 0's pages) -------------
-    def record(self) -> None:
-        """From now on, keep every change (the calls that succeeded, in order) for `take_journal`."""
-        self._journal = []
-
-    def take_journal(self) -> list[tuple[str, tuple]]:
-        """The changes since the last call; another allocator of the same sizes that `replay`s every
-        journal holds the same pages and tables (the allocator is deterministic)."""
-        assert self._journal is not None, "record() was not called"
-        journal, self._journal = self._journal, []
-        return journal
-
-    def replay(self, journal: list[tuple[str, tuple]]) -> None:
-        for name, args in journal:
-            if name == "alloc_request":
-                row = self.alloc_request()
-                if row != args[0]:
-                    raise RuntimeError(f"replicated allocator diverged: row {row}, rank 0 had {args[0]}")
-            elif name == "alloc_extend":
-                self.alloc_extend(*args)
-            elif name == "alloc_prealloc":
-                self.alloc_prealloc(*args)
-            elif name == "truncate":
-                self.truncate(*args)
-            elif name == "free":
-                self.free(*args)
-            elif name == "match_prefix":
-                self.match_prefix(*args)
-            elif name == "cache_prefix":
-                self.cache_prefix(*args)
-            elif name == "flush_cache":
-                self.flush_cache()
-            else:
-                raise ValueError(f"unknown journal entry {name!r}")
-
-    def _log(self, name: str, *args: object) -> None:
-        if self._journal is not None:
-            self._journal.append((name, args))
+    # ---- replication (journal.py: the other ranks of a server mirror rank 0's pages) -----------
+    def take_state_copies(self) -> list[StateCopy]:
+        """The C4 state copies queued since the last call (snapshots taken, requests resumed), in order,
+        for the caller to run on the pools now (`Dsv4TokenToKVPool.apply_state_copies`): the model
+        runner does before each forward and after each step. Journaled: a replica runs them at the
+        same point of its replay."""
+        copies = self.state_copies.take()
+        if copies:
+            self._log("take_state_copies")
+        return copies
 
     # ---- request rows --------------------------------------------------------------------------
     def alloc_request(self) -> int | None:
@@ -350,6 +335,8 @@ class Dsv4Allocator:
             return PrefixHit()
         hit = self.prefix_cache.match(tokens, limit)
         self._log("match_prefix", req_idx, list(tokens[: hit.matched]), hit.matched)
+        if hit.slot and not self.pools["c4s"].num_free:  # no page to restore the C4 state rows into
+            hit = PrefixHit(matched=hit.matched)
         if not hit.length:
             return hit
         p, pool, n = self.page_size, self.req_pool, hit.length
@@ -361,6 +348,11 @@ class Dsv4Allocator:
             setattr(r, fam, dict(pages))
             for k, pg in pages.items():
                 self._map_page(tables[fam], req_idx, k, pg)
+        if hit.slot:  # the request's own state page for [n - P, n), its block [n-4, n) from the slot
+            page = self.pools["c4s"].alloc(1)[0]
+            r.c4s = {n // p - 1: page}
+            self._map_page(tables["c4s"], req_idx, n // p - 1, page)
+            self.state_copies.restore(hit.slot, page * p + p - SNAPSHOT_ROWS, req_idx)
         writes = TableWrites()
         writes.add(pool.req_to_token, req_idx, 0, slots(r.full, p, 0, n))
         for ratio, table in ((4, pool.req_to_token_c4), (128, pool.req_to_token_c128)):
@@ -378,11 +370,15 @@ class Dsv4Allocator:
         n = len(tokens)
         if n % self.page_size or not 0 < n <= r.seq_len:
             raise ValueError(f"request {req_idx}: cannot cache {n} of its {r.seq_len} positions")
-        self.prefix_cache.insert(tokens, r.full[: n // self.page_size], self._snapshot(r, n))
+        p, snapshot, c4_row = self.page_size, self._snapshot(r, n), None
+        if snapshot is not None and "c4s" in snapshot:  # its 4 rows go to a slot, not the whole page
+            c4_row = snapshot.pop("c4s")[n // p - 1] * p + p - SNAPSHOT_ROWS
+        self.prefix_cache.insert(tokens, r.full[: n // p], snapshot, c4_row)
         self._log("cache_prefix", req_idx, list(tokens))
 
     def _snapshot(self, r: ReqPages, n: int) -> Snapshot | None:
-        """The SWA and state pages a request resuming at n reads, if the row holds all of them now."""
+        """The SWA and state pages a request resuming at n reads, if the row holds all of them now
+        (of the C4 state page, the snapshot then keeps only the rows of [n-4, n))."""
         if n != r.seq_len // self.page_size * self.page_size:  # only the latest boundary's state is kept
             return None
         p = self.page_size
@@ -437,6 +433,7 @@ class Dsv4Allocator:
         self._free_now(req_idx)
 
     def _free_now(self, req_idx: int) -> None:
+        self.state_copies.cancel_restores(req_idx)  # before its page can go to another request
         r = self._reqs.pop(req_idx, None)
         if r is not None:  # pages shared with the cache or other rows only lose this holder
             self.pools["full"].free(r.full)

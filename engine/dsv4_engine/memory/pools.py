@@ -8,6 +8,7 @@ import torch
 
 from .layout import STATE_TYPE_ORDER, Dsv4MemoryLayout, StateType
 from .sizing import PoolSizes
+from .state_copies import SNAPSHOT_ROWS, StateCopy
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class Dsv4TokenToKVPool:
     c4_state[layer]:        ratio-4 layers, P rows of 4D fp32  (C4 state page ids)
     c4_index_state[layer]:  ratio-4 layers, P rows of 4Di fp32 (C4 state page ids)
     c128_state[layer]:      ratio-128 layers, P rows of 2D fp32 (C128 state page ids)
+
+    and, not registered for PD (a snapshot never leaves its server), the prefix cache's snapshot slots:
+    c4_state_snap[layer], c4_index_state_snap[layer]: ratio-4 layers, [slots + 1, 4, width] fp32
     """
 
     def __init__(
@@ -67,6 +71,35 @@ class Dsv4TokenToKVPool:
             i: _state_pool(sizes.c128_state_pages, p, layout.c128_state_width, st, dev)
             for i in layout.c128_layers
         }
+        n, rows = sizes.c4_snapshot_slots, SNAPSHOT_ROWS
+        self.c4_state_snap = {
+            i: _state_pool(n, rows, layout.c4_state_width, st, dev) for i in layout.c4_layers
+        }
+        self.c4_index_state_snap = {
+            i: _state_pool(n, rows, layout.c4_index_state_width, st, dev) for i in layout.c4_layers
+        }
+
+    def apply_state_copies(self, copies: list[StateCopy]) -> None:
+        """Run the allocator's queued C4 state copies (`Dsv4Allocator.take_state_copies`), before a
+        forward. Saves go first: a queued restore holds its slot and a queued save its source page, so
+        no restore writes what a save of the same batch reads, and no save writes a slot a restore
+        reads unless it was queued before it."""
+        for save in (True, False):
+            group = [c for c in copies if c.save is save]
+            if not group:
+                continue
+            slots = torch.tensor([c.slot for c in group], device=self.device)
+            rows = torch.tensor([c.row + j for c in group for j in range(SNAPSHOT_ROWS)], device=self.device)
+            for pages, snaps in (
+                (self.c4_state, self.c4_state_snap),
+                (self.c4_index_state, self.c4_index_state_snap),
+            ):
+                for layer, buf in pages.items():
+                    flat, snap = buf.view(-1, buf.shape[-1]), snaps[layer]
+                    if save:
+                        snap[slots] = flat[rows].view(len(group), SNAPSHOT_ROWS, -1)
+                    else:
+                        flat[rows] = snap[slots].view(-1, buf.shape[-1])
 
     def buffers_by_type(self) -> dict[StateType, list[torch.Tensor]]:
         """Every registered buffer, grouped by PD state type, each group in layer order.
@@ -110,4 +143,7 @@ class Dsv4TokenToKVPool:
         return sum(b[0].nbytes for b in self.buffers_by_type()[state_type])
 
     def total_bytes(self) -> int:
-        return sum(b.nbytes for bufs in self.buffers_by_type().values() for b in bufs)
+        snaps = [*self.c4_state_snap.values(), *self.c4_index_state_snap.values()]
+        return sum(b.nbytes for bufs in self.buffers_by_type().values() for b in bufs) + sum(
+            b.nbytes for b in snaps
+        )

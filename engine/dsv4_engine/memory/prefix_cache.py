@@ -13,14 +13,17 @@ its window. The node for P keeps them as a snapshot. A match resumes at the
 deepest node that has a snapshot. The matched full pages beyond it show where a new snapshot would
 pay off (a shared system prompt's junction); the scheduler ends a chunk there.
 
-Nothing is copied. Every page covering positions < P is written once and never again, so the cache
+Pages are not copied. Every page covering positions < P is written once and never again, so the cache
 holds each page as one more holder (`PagePool` counts holders) and a resumed request shares it.
 A page is freed only when its last holder lets it go, so eviction never takes a page from a
-running request.
+running request. The C4 state is the exception: a snapshot keeps only the 4 rows of [P-4, P) of each
+ratio-4 layer, in a slot of its own (the `slots` pool), copied out of the request's state page when
+the snapshot is taken and back into a resumed request's own page (state_copies.py).
 
 Eviction is LRU on a logical clock. The clock is deterministic, so the replicated allocators of a
 tensor-parallel server evict the same nodes. To free full pages it removes leaves; to free SWA or
-state pages it drops snapshots and keeps the node's full page, which can still show a junction.
+state pages or snapshot slots it drops snapshots and keeps the node's full page, which can still
+show a junction.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .page_pool import PagePool
+from .state_copies import StateCopies
 
-Snapshot = dict[str, dict[int, int]]  # family ("swa", "c4s", "c128s") -> {page index: page}
+Snapshot = dict[str, dict[int, int]]  # shared page family ("swa") -> {page index: page}
 EVICT_SLACK = 32  # an eviction frees 1/32 of the pool beyond what was asked
+SLOTS = "slots"  # `evict`'s name for the snapshot slots
 
 
 @dataclass(eq=False)
@@ -44,25 +49,31 @@ class _Node:
     depth: int  # pages from the root
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     snapshot: Snapshot | None = None  # what resuming at depth * P needs besides the full pages
+    slot: int = 0  # the snapshot's C4 state rows (0: the model has no ratio-4 layer)
     last_used: int = 0  # the last match or insert through this node
     snapshot_used: int = 0  # when its snapshot was taken or last resumed from
 
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """A match: resume at `length` (0: nothing cached) with `full` and `snapshot`'s pages;
-    `matched` tokens (>= length) have their full pages cached."""
+    """A match: resume at `length` (0: nothing cached) with `full` and `snapshot`'s pages and the C4
+    state rows of `slot`; `matched` tokens (>= length) have their full pages cached."""
 
     length: int = 0
     full: tuple[int, ...] = ()
     snapshot: Snapshot = field(default_factory=dict)
     matched: int = 0
+    slot: int = 0
 
 
 class PrefixCache:
-    def __init__(self, pools: Mapping[str, PagePool], page_size: int) -> None:
+    def __init__(
+        self, pools: Mapping[str, PagePool], page_size: int, slots: PagePool, copies: StateCopies
+    ) -> None:
         self.pools = pools
         self.page_size = page_size
+        self.slots = slots  # 4-row C4 state snapshots, one per snapshot (ratio-4 models)
+        self.copies = copies
         self.root = _Node(parent=None, key=(), page=0, depth=0)
         self._clock = itertools.count(1)
         self.num_nodes = 0
@@ -95,18 +106,23 @@ class PrefixCache:
                 path[best - 1].snapshot_used = now
         if best == 0:
             return PrefixHit(matched=len(path) * self.page_size)
-        snap = path[best - 1].snapshot
-        assert snap is not None
+        node = path[best - 1]
+        assert node.snapshot is not None
         return PrefixHit(
             length=best * self.page_size,
             full=tuple(n.page for n in path[:best]),
-            snapshot={fam: dict(pages) for fam, pages in snap.items()},
+            snapshot={fam: dict(pages) for fam, pages in node.snapshot.items()},
             matched=len(path) * self.page_size,
+            slot=node.slot,
         )
 
-    def insert(self, tokens: Sequence[int], full: Sequence[int], snapshot: Snapshot | None) -> None:
-        """Cache tokens (page-aligned) with their full pages and, when given, the snapshot at their end.
-        Pages already cached for the same tokens stay; the caller's duplicates stay the caller's."""
+    def insert(
+        self, tokens: Sequence[int], full: Sequence[int], snapshot: Snapshot | None, c4_row: int | None = None
+    ) -> None:
+        """Cache tokens (page-aligned) with their full pages and, when given, the snapshot at their end:
+        its shared pages, and (c4_row: the state slot of position P-4) a slot the C4 state rows are
+        saved to. Without a free slot after eviction, no snapshot. Pages already cached for the same
+        tokens stay; the caller's duplicates stay the caller's."""
         n = len(tokens) // self.page_size
         if n * self.page_size != len(tokens) or len(full) < n:
             raise ValueError(f"insert needs page-aligned tokens and their pages: {len(tokens)}, {len(full)}")
@@ -122,6 +138,12 @@ class PrefixCache:
             child.last_used = now
             node = child
         if n and snapshot is not None and node.snapshot is None:
+            if c4_row is not None:
+                self.evict(SLOTS, 1)
+                if not self.slots.num_free:
+                    return
+                node.slot = self.slots.alloc(1)[0]
+                self.copies.save(c4_row, node.slot)
             for fam, pages in snapshot.items():
                 for page in pages.values():
                     self.pools[fam].cache_hold(page)
@@ -135,7 +157,10 @@ class PrefixCache:
         for fam, pages in node.snapshot.items():
             for page in pages.values():
                 self.pools[fam].cache_drop(page)
-        node.snapshot = None
+        if node.slot:
+            self.copies.cancel_save(node.slot)
+            self.slots.free([node.slot])
+        node.snapshot, node.slot = None, 0
         self.num_snapshots -= 1
 
     def _remove_leaf(self, node: _Node) -> _Node | None:
@@ -162,8 +187,9 @@ class PrefixCache:
         slack, so that a full cache is not scanned again at every step), or the cache holds nothing
         more of it. Entries whose pages requests still hold free nothing now, but go as well, in LRU
         order (they are the most recently used, so they go last). Snapshots go by their own use: the
-        ones a long prompt left at every chunk go before the one a later turn resumes from."""
-        pool = self.pools[family]
+        ones a long prompt left at every chunk go before the one a later turn resumes from.
+        `family` SLOTS: the snapshot slots."""
+        pool = self.slots if family == SLOTS else self.pools[family]
         if pool.num_free >= want_free:
             return
         want_free = min(pool.num_pages, want_free + pool.num_pages // EVICT_SLACK)
@@ -171,7 +197,9 @@ class PrefixCache:
             heap = [(n.last_used, id(n), n) for n in self._nodes() if not n.children]
         else:
             heap = [
-                (n.snapshot_used, id(n), n) for n in self._nodes() if n.snapshot and n.snapshot.get(family)
+                (n.snapshot_used, id(n), n)
+                for n in self._nodes()
+                if n.snapshot is not None and self._keeps(n, family)
             ]
         heapq.heapify(heap)
         while heap and pool.num_free < want_free:
@@ -182,6 +210,11 @@ class PrefixCache:
             parent = self._remove_leaf(node)
             if parent is not None:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
+
+    @staticmethod
+    def _keeps(node: _Node, family: str) -> bool:
+        assert node.snapshot is not None
+        return bool(node.slot) if family == SLOTS else bool(node.snapshot.get(family))
 
     def flush(self) -> None:
         """Drop every entry (pages running requests hold stay theirs)."""

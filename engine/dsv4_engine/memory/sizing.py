@@ -12,28 +12,32 @@ Four page families share one page size P (a multiple of 128); page 0 of each is 
     bytes/SWA page   = P * num_layers * D * kv_bytes
     bytes/C4 state   = P * n_c4 * (4D + 4Di) * 4
     bytes/C128 state = P * n_c128 * 2D * 4
+    bytes/C4 slot    = 4 * n_c4 * (4D + 4Di) * 4
 
     swa_pages        = max_reqs * (ceil(window / P) + 2) + ceil(max_batched_tokens / P)
                        + snapshots * ceil(window / P)
-    c4_state_pages   = max_reqs * state_pages_per_req(4)   + 2 * max_prefill_reqs + snapshots
+    c4_state_pages   = max_reqs * state_pages_per_req(4)   + 2 * max_prefill_reqs
     c128_state_pages = max_reqs * state_pages_per_req(128) + 2 * max_prefill_reqs
-    full_pages       = floor((budget - swa, state bytes - table bytes) / bytes per full page)
+    c4_slots         = snapshots
+    full_pages       = floor((budget - swa, state, slot bytes - table bytes) / bytes per full page)
 
 state_pages_per_req(r) = max(2, ceil(1.8 r / P) + 1) is the seed's; a request in chunked prefill can
 briefly hold two more (its previous tail and the new one), hence the prefill slack.
 
 `snapshots` is how many prefix-cache snapshots the pools keep room for beyond the running requests'
-share (prefix_cache.py): each holds the SWA pages of one window and one C4 state page (the block
-before a page boundary; C128 has none at a multiple of 128).
+share (prefix_cache.py): each holds the SWA pages of one window and one C4 slot, the 4 state rows
+of the block before a page boundary (C128 has none at a multiple of 128).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .layout import Dsv4MemoryLayout
+from .state_copies import SNAPSHOT_ROWS
 from .state_tail import cdiv
 
 
@@ -49,6 +53,7 @@ class PoolSizes:
     swa_pages: int
     c4_state_pages: int
     c128_state_pages: int
+    c4_snapshot_slots: int = 0  # prefix-cache snapshots' C4 state rows (state_copies.py), 4 rows each
 
 
 def full_page_bytes(layout: Dsv4MemoryLayout) -> int:
@@ -72,6 +77,12 @@ def c128_state_page_bytes(layout: Dsv4MemoryLayout) -> int:
     return (
         layout.page_size * len(layout.c128_layers) * layout.c128_state_width * dtype_bytes(layout.state_dtype)
     )
+
+
+def c4_slot_bytes(layout: Dsv4MemoryLayout) -> int:
+    """One snapshot's C4 state: the 4 rows of one block, every ratio-4 layer (attention + indexer)."""
+    width = layout.c4_state_width + layout.c4_index_state_width
+    return SNAPSHOT_ROWS * len(layout.c4_layers) * width * dtype_bytes(layout.state_dtype)
 
 
 def state_pages_per_req(ratio: int, page_size: int) -> int:
@@ -101,9 +112,10 @@ def fixed_pool_sizes(
     prefill_reqs = max_reqs if max_prefill_reqs is None else max_prefill_reqs
     swa = max_reqs * swa_pages_per_req(layout.window, p) + cdiv(max_batched_tokens, p)
     swa += snapshots * cdiv(layout.window, p)
-    c4s = (max_reqs * state_pages_per_req(4, p) + 2 * prefill_reqs + snapshots) if layout.c4_layers else 0
+    c4s = (max_reqs * state_pages_per_req(4, p) + 2 * prefill_reqs) if layout.c4_layers else 0
     c128s = (max_reqs * state_pages_per_req(128, p) + 2 * prefill_reqs) if layout.c128_layers else 0
-    return PoolSizes(full_pages=full_pages, swa_pages=swa, c4_state_pages=c4s, c128_state_pages=c128s)
+    slots = snapshots if layout.c4_layers else 0
+    return PoolSizes(full_pages, swa, c4s, c128s, slots)
 
 
 def pool_bytes(layout: Dsv4MemoryLayout, sizes: PoolSizes) -> int:
@@ -113,6 +125,7 @@ def pool_bytes(layout: Dsv4MemoryLayout, sizes: PoolSizes) -> int:
         + (sizes.swa_pages + 1) * swa_page_bytes(layout)
         + (sizes.c4_state_pages + 1) * c4_state_page_bytes(layout)
         + (sizes.c128_state_pages + 1) * c128_state_page_bytes(layout)
+        + (sizes.c4_snapshot_slots + 1) * c4_slot_bytes(layout)
     )
 
 
@@ -145,9 +158,4 @@ def plan_pool_sizes(
             f"budget {budget_bytes} B leaves {max(full, 0)} full pages; one request of max_ctx={max_ctx} "
             f"needs {cdiv(max_ctx, p)} (fixed part {fixed} B, {per_full} B per full page)"
         )
-    return PoolSizes(
-        full_pages=full,
-        swa_pages=fixed_sizes.swa_pages,
-        c4_state_pages=fixed_sizes.c4_state_pages,
-        c128_state_pages=fixed_sizes.c128_state_pages,
-    )
+    return dataclasses.replace(fixed_sizes, full_pages=full)
