@@ -17,16 +17,9 @@ from dsv4_engine.server.metrics import (
     spec_decode_acceptance_rate,
     spec_decode_mean_acceptance_length,
 )
+from prometheus_util import samples  # tests/ is on sys.path (tests/conftest.py)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def rendered(snapshot: dict[str, float], role: str = "decode") -> ServerMetrics:

@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from dsv4_engine.server.app import create_app
 from dsv4_engine.server.args import ServerSettings
+from prometheus_util import openai_client, scrape  # tests/ is on sys.path (tests/conftest.py)
 
 NAME = "dsv4-tiny"
 MAX = 6
@@ -59,23 +59,9 @@ def uncached_base(tiny_checkpoint: Any, serve: Any) -> Iterator[str]:
         yield url
 
 
-def client_of(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 @pytest.fixture(scope="module")
 def client(base: str) -> openai.OpenAI:
-    return client_of(base)
-
-
-def metrics(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    r = httpx.get(f"{base}/metrics", timeout=30)
-    r.raise_for_status()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(r.text)
-        for s in family.samples
-    }
+    return openai_client(base)
 
 
 def chat(client: openai.OpenAI, messages: list[dict[str, str]], **kw: Any) -> Any:
@@ -96,9 +82,9 @@ def test_a_shared_prefix_is_resumed_and_changes_no_output(
 ) -> None:
     prefix = long_text()
     first, second = conversation(prefix, "What is a page?"), conversation(prefix, "Name two colours.")
-    before = metrics(base)
+    before = scrape(base)
     a, b = chat(client, first), chat(client, second)
-    after = metrics(base)
+    after = scrape(base)
 
     assert a.usage.prompt_tokens > PAGES * page_size
     assert cached(a) == 0  # nothing of a fresh prefix is cached
@@ -122,14 +108,14 @@ def test_a_shared_prefix_is_resumed_and_changes_no_output(
 
     # The same requests without a prefix cache: the same greedy outputs, nothing reported cached,
     # not even for a prompt sent twice.
-    uncached = client_of(uncached_base)
+    uncached = openai_client(uncached_base)
     for messages, got in ((first, a), (second, b), (second, b)):
         want = chat(uncached, messages)
         assert want.choices[0].message.content == got.choices[0].message.content
         assert want.usage.completion_tokens == got.usage.completion_tokens
         assert want.usage.prompt_tokens == got.usage.prompt_tokens
         assert cached(want) == 0
-    after_uncached = metrics(uncached_base)
+    after_uncached = scrape(uncached_base)
     assert after_uncached[("vllm:prefix_cache_hits_total", VLLM)] == 0
     assert after_uncached[("vllm:prefix_cache_queries_total", VLLM)] >= 3 * a.usage.prompt_tokens
     assert after_uncached[("dsv4_prefix_cache_hit_rate", ())] == 0
@@ -217,7 +203,7 @@ def test_flush_cache_gives_every_cached_page_back(base: str, client: openai.Open
     chat(client, messages)
     warm = chat(client, messages)
     assert cached(warm) > 0
-    held = metrics(base)
+    held = scrape(base)
     pools = [labels for (name, labels) in held if name == "dsv4_pool_total_pages"]
     assert pools, "no pool series"
     # Nothing runs now; the pages not free are the cache's.
@@ -226,7 +212,7 @@ def test_flush_cache_gives_every_cached_page_back(base: str, client: openai.Open
     assert held[("dsv4_prefix_cache_nodes", ())] > 0
 
     flush(base)
-    freed = metrics(base)
+    freed = scrape(base)
     for p in pools:
         assert freed[("dsv4_pool_free_pages", p)] == freed[("dsv4_pool_total_pages", p)], p
     assert freed[("dsv4_prefix_cache_snapshots", ())] == 0

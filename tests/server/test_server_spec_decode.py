@@ -11,14 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from dsv4_engine.server.app import create_app, default_engine_factory
 from dsv4_engine.server.args import parse
-from speculative_util import mtp_checkpoint  # tests/ is on sys.path (tests/conftest.py)
+from prometheus_util import Samples, openai_client, scrape  # tests/ is on sys.path (tests/conftest.py)
+from speculative_util import mtp_checkpoint
 
 NAME = "dsv4-demo-mtp"
 STEPS = 2
@@ -31,8 +30,6 @@ PROMPTS = (
     "Explain how a for loop works.",
     "What is a class?",
 )
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 @pytest.fixture(scope="module")
@@ -58,24 +55,10 @@ def plain(serve: Any, checkpoint: Path) -> Iterator[tuple[str, Any]]:
     yield from start(serve, checkpoint)
 
 
-def client_of(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def chat(client: openai.OpenAI, prompt: str) -> Any:
     return client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=MAX, temperature=0
     )
-
-
-def metrics(base: str) -> Samples:
-    r = httpx.get(f"{base}/metrics", timeout=30)
-    r.raise_for_status()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(r.text)
-        for s in family.samples
-    }
 
 
 def spec_series(got: Samples) -> dict[str, float]:
@@ -92,8 +75,8 @@ def test_speculation_changes_no_output_and_its_counters_add_up(
     speculative: tuple[str, Any], plain: tuple[str, Any]
 ) -> None:
     (spec_url, engine), (plain_url, _) = speculative, plain
-    spec_client, plain_client = client_of(spec_url), client_of(plain_url)
-    scraped = metrics(spec_url)
+    spec_client, plain_client = openai_client(spec_url), openai_client(plain_url)
+    scraped = scrape(spec_url)
     before, generated_before = spec_series(scraped), scraped[("dsv4_generation_tokens_total", ())]
     got = [chat(spec_client, p) for p in PROMPTS]
     streamed = spec_client.chat.completions.create(
@@ -101,7 +84,7 @@ def test_speculation_changes_no_output_and_its_counters_add_up(
         stream=True, stream_options={"include_usage": True},
     )  # fmt: skip
     chunks = list(streamed)
-    scraped = metrics(spec_url)
+    scraped = scrape(spec_url)
     after, generated = spec_series(scraped), scraped[("dsv4_generation_tokens_total", ())] - generated_before
 
     # Greedy: the same text and token counts as without speculation, streamed or not.
@@ -135,4 +118,4 @@ def test_speculation_changes_no_output_and_its_counters_add_up(
     assert 1 <= after["dsv4_spec_decode_mean_acceptance_length"] <= 1 + STEPS
 
     # Without the flag: nothing drafted, every series at 0, after the same requests.
-    assert all(v == 0 for v in spec_series(metrics(plain_url)).values())
+    assert all(v == 0 for v in spec_series(scrape(plain_url)).values())
