@@ -373,7 +373,7 @@ class ModelRunner:
         streams: torch.Tensor,
         new_tokens: dict[str, list[int]],
     ) -> None:
-        """The MTP layer over every speculating request's positions of this step (each chunk's rows
+        """The MTP layer over every request's positions of this step (each chunk's rows
         start at `spans[i]` in the step's `streams`): what the target computed (for a verify, its kept
         drafts and the token after them), each with the token after it; drafts for the next step of
         those that sampled. A parallel server's other ranks run the same rows (`Followers.draft`)."""
@@ -384,7 +384,8 @@ class ModelRunner:
                 continue
             got = new_tokens.get(seq.request_id, [])
             n = len(got) if c.drafts else len(c.token_ids)  # a verify computed its kept drafts and one more
-            following = [*seq.all_token_ids, *got][c.start + 1 : c.start + n + 1]
+            known = seq.tokens_between(c.start + 1, c.start + n + 1)
+            following = known + got[: n - len(known)]  # got: the tokens after the known ones
             if len(following) < n:  # an unfinished prefill's chunk ends where its prompt does not
                 continue
             if seq.draft_window_from is None:  # its first MTP pass on this row

@@ -53,6 +53,14 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end): `all_token_ids[start:end]` without building the whole
+        list, which every step would otherwise do per request (O(context))."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : max(end - n, 0)]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(end - n, 0)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -78,7 +86,7 @@ class ScheduledChunk:
     def __post_init__(self) -> None:
         known = self.end - len(self.drafts)
         self.sample = known == self.seq.num_tokens
-        self.token_ids = self.seq.all_token_ids[self.start : known] + self.drafts
+        self.token_ids = self.seq.tokens_between(self.start, known) + self.drafts
 
     @property
     def is_decode(self) -> bool:
