@@ -367,6 +367,21 @@ def test_empty_inputs_are_refused(reference_npu: ModuleType) -> None:
 
 
 # --- a whole forward of a W8A8 checkpoint -------------------------------------------------------------
+def _grouped_matmul_weight_dtypes(
+    torch_npu: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> list[torch.dtype]:
+    """The weight dtypes of every npu_grouped_matmul call from now on, in order (a spy on the op)."""
+    weight_dtypes: list[torch.dtype] = []
+    grouped_matmul = torch_npu.npu_grouped_matmul
+
+    def spy(x: list[torch.Tensor], weight: list[torch.Tensor], **kw: object) -> list[torch.Tensor]:
+        weight_dtypes.extend(w.dtype for w in weight)
+        return grouped_matmul(x, weight, **kw)
+
+    monkeypatch.setattr(torch_npu, "npu_grouped_matmul", spy)
+    return weight_dtypes
+
+
 def test_a_w8a8_checkpoint_runs_its_projections_and_experts_in_int8(
     torch_npu: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -410,14 +425,7 @@ def test_a_w8a8_checkpoint_runs_its_projections_and_experts_in_int8(
             weight, scale = getattr(m, name), getattr(m, f"{name}_scale")
             assert weight.dtype == torch.int8 and weight.device.type == scale.device.type == "npu"
             assert scale.dtype == torch.float32 and scale.shape == weight.shape[:-1]
-    weight_dtypes: list[torch.dtype] = []
-    grouped_matmul = torch_npu.npu_grouped_matmul
-
-    def spy(x: list[torch.Tensor], weight: list[torch.Tensor], **kw: object) -> list[torch.Tensor]:
-        weight_dtypes.extend(w.dtype for w in weight)
-        return grouped_matmul(x, weight, **kw)
-
-    monkeypatch.setattr(torch_npu, "npu_grouped_matmul", spy)
+    weight_dtypes = _grouped_matmul_weight_dtypes(torch_npu, monkeypatch)
     on_cpu = load(False)
     ids = torch.randint(
         3, on_cpu.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)
@@ -453,14 +461,7 @@ def test_an_engine_prefills_and_decodes_with_int8_experts(
     with one_thread():
         ckpt = make_tiny(tmp_path / "w8a8", seed=0, quant="w8a8")
     prompts, params = [[5, 6, 7, 8, 9], list(range(3, 60))], SamplingParams(temperature=0.0, max_tokens=6)
-    weight_dtypes: list[torch.dtype] = []
-    grouped_matmul = torch_npu.npu_grouped_matmul
-
-    def spy(x: list[torch.Tensor], weight: list[torch.Tensor], **kw: object) -> list[torch.Tensor]:
-        weight_dtypes.extend(w.dtype for w in weight)
-        return grouped_matmul(x, weight, **kw)
-
-    monkeypatch.setattr(torch_npu, "npu_grouped_matmul", spy)
+    weight_dtypes = _grouped_matmul_weight_dtypes(torch_npu, monkeypatch)
     options: dict[str, Any] = {"dtype": "bfloat16", "enforce_eager": True, "max_num_seqs": 2}
     llm = LLM(str(ckpt), device="npu", **options)
     try:

@@ -30,8 +30,8 @@ class DraftCache:
         self.kv = torch.zeros(1 + rows * self.ring, dim, dtype=dtype, device=device)  # flat: slots
         self.device = device
 
-    def _slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
-        return 1 + row * self.ring + positions % self.ring
+    def _slots(self, rows: int | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return 1 + rows * self.ring + positions % self.ring
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Positions [start, end) of request row `row`, oldest first (end - start <= ring)."""
@@ -58,7 +58,7 @@ class DraftCache:
         pos = torch.tensor([t[2] for t in tokens], dtype=torch.long)
         keep = pos > torch.tensor([last[t[0]] for t in tokens], dtype=torch.long) - self.ring
         window = pos[:, None] + torch.arange(1 - self.window, 1)[None, :]
-        slots = 1 + rows[:, None] * self.ring + window % self.ring
-        slots = torch.where((window >= first[:, None]) & (window >= 0), slots, -1)
-        out = 1 + rows * self.ring + pos % self.ring
-        return out.to(self.device), slots.to(self.device), keep.to(self.device)
+        slots = torch.where(
+            (window >= first[:, None]) & (window >= 0), self._slots(rows[:, None], window), -1
+        )
+        return self._slots(rows, pos).to(self.device), slots.to(self.device), keep.to(self.device)
