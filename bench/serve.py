@@ -5,7 +5,8 @@
 
 Both runs use the same prompts (random token ids, seeded), greedy sampling and `ignore_eos`, so they
 generate exactly the same number of tokens. The offline run is one `LLM.generate` call over all prompts
-in this process, from a worker thread as the server drives its engine; the served run sends every
+in this process, on the thread that built the `LLM` (as the server loads and steps its engine on one
+thread: docs/server.md says why); the served run sends every
 prompt at once, each from its own streaming client, to `dsv4 serve` (a subprocess with the same engine
 options) on `/v1/completions` with `stream_options.continuous_usage_stats`, so each chunk says how
 many tokens it carries. Offline and served runs alternate `--repeat` times and the medians are
@@ -30,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,22 +83,13 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
 
 
 def offline(llm: Any, prompts: list[list[int]], out_len: int) -> tuple[float, int]:
-    """One LLM.generate over all prompts, run from a worker thread as the server runs its engine."""
+    """One LLM.generate over all prompts, on this thread (the one that built `llm`)."""
     from dsv4_engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    result: dict[str, Any] = {}
-
-    def run() -> None:
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        result["wall"] = time.perf_counter() - start
-        result["tokens"] = sum(len(o.token_ids) for o in outs)
-
-    worker = threading.Thread(target=run)
-    worker.start()
-    worker.join()
-    return result["wall"], result["tokens"]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - start, sum(len(o.token_ids) for o in outs)
 
 
 def free_port() -> int:

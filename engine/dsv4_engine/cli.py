@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
 DEMO_HELP = (
     "the tiny architecture trained on Python's help topics, then its MTP layer "
     "(about 15 minutes on 2 cores; the bundled one is dsv4_engine/data/demo)"
 )
 
 
+# How long torch's idle OpenMP workers spin before they sleep. libgomp's default, 300,000 spins, kept
+# a second core busy through every CPU decode step for no speed (demo model, batch 8: 2.0 cores for
+# the step time 1.0 core gives); 3,000 still hands back-to-back ops of a prefill to a spinning worker
+# (a 410-token chunk: 50 ms against 47). libgomp reads it once, as torch loads it.
+SPIN_COUNT = "3000"
+
+
 def serve_main(argv: list[str]) -> int:
+    if "OMP_WAIT_POLICY" not in os.environ:  # an operator's own choice stands
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     from dsv4_engine.server.main import main
 
     return main(argv)

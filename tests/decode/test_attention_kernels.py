@@ -123,6 +123,47 @@ def test_index_topk_ties_go_to_the_lower_row(model) -> None:
     assert got[0].tolist() == list(range(indexer.topk))
 
 
+@pytest.mark.parametrize("zeros", [False, True])
+def test_index_bias_equals_torch_form(model, zeros: bool) -> None:
+    """An extend chunk's indexer bias: the kernel's parallel top-k picks what the torch form's stable
+    sort picks, for rows seeing none, fewer than k, exactly k and all of the rows; with half the keys
+    zero, many scores tie at 0 and the lower rows must win."""
+    indexer = _layer(model, 4).compressor.indexer
+    g = torch.Generator().manual_seed(int(zeros))
+    k, num_rows = indexer.topk, 4 * indexer.topk + 3
+    visible = torch.tensor([0, 1, k - 1, k, k + 1, 2 * k, num_rows - 1, num_rows] * 5)
+    q = torch.randn(len(visible), indexer.num_heads, indexer.head_dim, generator=g)
+    weights = torch.randn(len(visible), indexer.num_heads, generator=g)
+    keys = torch.randn(num_rows, indexer.head_dim, generator=g)
+    if zeros:
+        keys[::2] = 0.0
+    args = (q, weights, keys, visible, indexer.softmax_scale, k)
+    want = TorchKernels().index_bias(*args)
+    got = CpuKernels().index_bias(*args)
+    assert torch.equal(got, want)
+    assert got.eq(0).sum(dim=1).tolist() == visible.clamp(max=k).tolist()
+
+
+def test_block_attention_equals_torch_form(model) -> None:
+    """An extend chunk's attention: blocks of queries over their window keys and a C4 layer's rows,
+    each query seeing a causal window, a few picked rows, or (a pad row) nothing but the sink."""
+    attn = _layer(model, 4)
+    g = torch.Generator().manual_seed(7)
+    nb, b, width = 3, 8, 40
+    q = torch.randn(nb, b, attn.num_heads, attn.head_dim, generator=g)
+    keys = torch.randn(nb, width, attn.head_dim, generator=g)
+    seen = torch.rand(nb, b, width, generator=g) < 0.2
+    seen[0, 0] = False  # a row with no key at all
+    seen[1, 1] = True  # a row with every key
+    bias = torch.zeros(nb, b, width).masked_fill_(~seen, float("-inf"))
+    args = (q, keys, bias, attn.sinks, attn.scaling)
+    want = TorchKernels().block_attention(*args)
+    got = CpuKernels().block_attention(*args)
+    assert got.shape == want.shape == (nb * b, attn.num_heads, attn.head_dim)
+    torch.testing.assert_close(got, want, **TOL)
+    assert got[0].abs().max() == 0  # only the sink: nothing attended
+
+
 def test_eager_decode_runs_the_attention_kernels(model, make_mem, monkeypatch) -> None:
     """The fp32 eager step takes the kernels, not the torch forms (which the batched test also
     passes): with the torch forms made to fail, a decode over all three layer kinds still runs."""

@@ -73,12 +73,10 @@ def server(tiny: str) -> Iterator[tuple[str, int]]:
     from dsv4_engine.llm import LLM
     from dsv4_engine.server.app import create_app
     from dsv4_engine.server.args import ServerSettings
-    from dsv4_engine.server.main import prime_compute_on_main_thread
     from dsv4_engine.testing import one_thread
 
     stack = contextlib.ExitStack()
     stack.enter_context(one_thread())  # spinning intra-op threads on shared cores: many times slower
-    prime_compute_on_main_thread()  # as `dsv4 serve` does before its engine thread computes
     ckpt = tiny
     llm = LLM(ckpt)
     port, mport = free_port(), free_port()

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -209,6 +210,28 @@ void compress_decode(const at::Tensor& kv, const at::Tensor& gate, const at::Ten
   }
 }
 
+// One query row's sink attention, every head: softmax over [keys | sink] of q_h . key * scale (+ bias
+// per key where given), then the probability-weighted sum of the keys (K = V) into out [heads, d].
+void attend_row(const Loops& loops, const float* q, int64_t heads, int64_t d, const std::vector<const float*>& keys,
+                const float* key_bias, const float* sinks, float scale, std::vector<float>& logits, float* out) {
+  const int64_t m = static_cast<int64_t>(keys.size());
+  logits.resize(m * heads);  // [m, heads]
+  for (int64_t j = 0; j < m; ++j) loops.head_dots(q, heads, keys[j], d, &logits[j * heads]);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* l = logits.data() + h;
+    float mx = sinks[h];
+    for (int64_t j = 0; j < m; ++j) {
+      l[j * heads] *= scale;
+      if (key_bias != nullptr) l[j * heads] += key_bias[j];
+      mx = std::max(mx, l[j * heads]);
+    }
+    float denom = std::exp(sinks[h] - mx);
+    for (int64_t j = 0; j < m; ++j) denom += (l[j * heads] = std::exp(l[j * heads] - mx));
+    for (int64_t j = 0; j < m; ++j) l[j * heads] /= denom;
+    loops.weighted_sum(keys.data(), l, heads, m, d, out + h * d);
+  }
+}
+
 // TorchKernels.index_topk: per row, the top-k compressed rows by sum_h w_h * relu(q_h . key_j) * scale
 // over rows j < visible, ties to the lower row; every visible row when there are at most k. Rows
 // [B, k] int64, -1 where fewer than k are visible.
@@ -251,6 +274,49 @@ at::Tensor index_topk(const at::Tensor& q, const at::Tensor& weights, const at::
   return picked;
 }
 
+// TorchKernels.index_bias's selection, on scores it computed: per query row, 0 on the top-k of
+// scores[i, j] over rows j < visible[i] (ties to the lower row; every visible row when at most k), -inf
+// elsewhere. Selection only, no arithmetic, so the picks are the torch form's, in one pass per row (a
+// stable sort of every whole row was ~15% of a prefill step resuming 2k cached tokens, 4x this).
+at::Tensor topk_bias(const at::Tensor& scores, const at::Tensor& visible, int64_t k) {
+  check_f32("topk_bias", {&scores});
+  TORCH_CHECK(scores.dim() == 2 && scores.is_contiguous(), "topk_bias: scores must be a contiguous [n, N]");
+  TORCH_CHECK(visible.dim() == 1 && visible.size(0) == scores.size(0), "topk_bias: visible must be [n]");
+  TORCH_CHECK(k > 0, "topk_bias: k must be positive");
+  const int64_t n = scores.size(0), width = scores.size(1);
+  auto bias = at::full({n, width}, kNegInf, scores.options());
+  const float* sp = scores.data_ptr<float>();
+  float* bp = bias.data_ptr<float>();
+  const Ints vis(visible);
+  // One pass per row over a heap of the best k so far, its worst on top: a later row displaces it
+  // only with a strictly greater score (on a tie the earlier row ranks first).
+  const auto ranks_before = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  std::vector<std::pair<float, int64_t>> best;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t m = std::min(std::max<int64_t>(vis[i], 0), width);
+    float* row = bp + i * width;
+    if (m <= k) {
+      std::fill(row, row + m, 0.f);
+      continue;
+    }
+    const float* s = sp + i * width;
+    best.clear();
+    for (int64_t j = 0; j < k; ++j) best.emplace_back(s[j], j);
+    std::make_heap(best.begin(), best.end(), ranks_before);
+    for (int64_t j = k; j < m; ++j) {
+      if (s[j] > best.front().first) {
+        std::pop_heap(best.begin(), best.end(), ranks_before);
+        best.back() = {s[j], j};
+        std::push_heap(best.begin(), best.end(), ranks_before);
+      }
+    }
+    for (const auto& [score, j] : best) row[j] = 0.f;
+  }
+  return bias;
+}
+
 // TorchKernels.paged_attention: per row and head, softmax over [window | compressed | sink] of q . key *
 // scaling, and the probability-weighted sum of the keys (K = V). Window keys are `swa[swa_slots]`
 // (-1 masked); compressed keys are rows `comp_rows` (or 0..visible-1 when absent) of `comp`, through
@@ -287,18 +353,42 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& swa, const at:
         if (const int64_t row = listed ? crow.at(b, j) : j; row >= 0 && row < n)
           keys.push_back(cp + slot.at(b, row) * d);
     }
-    const int64_t m = static_cast<int64_t>(keys.size());
-    logits.resize(m * heads);  // [m, heads]
-    for (int64_t j = 0; j < m; ++j) loops.head_dots(qp + b * heads * d, heads, keys[j], d, &logits[j * heads]);
-    for (int64_t h = 0; h < heads; ++h) {
-      float* l = logits.data() + h;
-      float mx = sk[h];
-      for (int64_t j = 0; j < m; ++j) mx = std::max(mx, l[j * heads] *= scale);
-      float denom = std::exp(sk[h] - mx);
-      for (int64_t j = 0; j < m; ++j) denom += (l[j * heads] = std::exp(l[j * heads] - mx));
-      for (int64_t j = 0; j < m; ++j) l[j * heads] /= denom;
-      loops.weighted_sum(keys.data(), l, heads, m, d, op + (b * heads + h) * d);
+    attend_row(loops, qp + b * heads * d, heads, d, keys, nullptr, sk, scale, logits, op + b * heads * d);
+  }
+  return out;
+}
+
+// TorchKernels.block_attention: each query of a block over its block's keys with a finite bias (the
+// extend step's masks are 0 / -inf, and an indexer's picks leave a handful of a C4 layer's compressed
+// rows), as `paged_attention` reads a decode row's; the dense products it replaces computed every
+// masked key too. q [nb, b, H, D], keys [nb, K, D], bias [nb, b, K]; out [nb * b, H, D].
+at::Tensor block_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& bias,
+                           const at::Tensor& sinks, double scaling) {
+  check_f32("block_attention", {&q, &keys, &bias, &sinks});
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 3 && bias.dim() == 3, "block_attention: shapes");
+  const int64_t nb = q.size(0), b = q.size(1), heads = q.size(2), d = q.size(3), width = keys.size(1);
+  TORCH_CHECK(keys.size(0) == nb && keys.size(2) == d && sinks.numel() == heads, "block_attention: shapes");
+  TORCH_CHECK(bias.size(0) == nb && bias.size(1) == b && bias.size(2) == width, "block_attention: bias shape");
+  auto out = at::empty({nb * b, heads, d}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *bp = bias.data_ptr<float>();
+  const float* sk = sinks.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = static_cast<float>(scaling);
+  const Loops loops = loops_for(d);
+  std::vector<const float*> picked;
+  std::vector<float> picked_bias, logits;
+  for (int64_t r = 0; r < nb * b; ++r) {
+    const float* row_bias = bp + r * width;
+    const float* block_keys = kp + (r / b) * width * d;
+    picked.clear();
+    picked_bias.clear();
+    for (int64_t j = 0; j < width; ++j) {
+      if (row_bias[j] == kNegInf) continue;
+      picked.push_back(block_keys + j * d);
+      picked_bias.push_back(row_bias[j]);
     }
+    attend_row(loops, qp + r * heads * d, heads, d, picked, picked_bias.data(), sk, scale, logits,
+               op + r * heads * d);
   }
   return out;
 }
@@ -312,6 +402,8 @@ TORCH_LIBRARY_FRAGMENT(dsv4, m) {
         "Tensor(a!) state, Tensor(b!) rows) -> ()");
   m.def("index_topk(Tensor q, Tensor weights, Tensor keys, Tensor page_table, Tensor visible, int ratio, "
         "int page_size, float softmax_scale, int k) -> Tensor");
+  m.def("topk_bias(Tensor scores, Tensor visible, int k) -> Tensor");
+  m.def("block_attention(Tensor q, Tensor keys, Tensor bias, Tensor sinks, float scaling) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor swa, Tensor swa_slots, Tensor? comp, Tensor page_table, "
         "Tensor? comp_rows, Tensor? visible, int ratio, int page_size, Tensor sinks, float scaling) -> Tensor");
 }
@@ -319,5 +411,7 @@ TORCH_LIBRARY_FRAGMENT(dsv4, m) {
 TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
   m.impl("compress_decode", &compress_decode);
   m.impl("index_topk", &index_topk);
+  m.impl("topk_bias", &topk_bias);
+  m.impl("block_attention", &block_attention);
   m.impl("paged_attention", &paged_attention);
 }

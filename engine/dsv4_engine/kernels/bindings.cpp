@@ -37,6 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("state"), arg("rows"), nogil);
   m.def("index_topk", &index_topk, arg("q"), arg("weights"), arg("keys"), arg("page_table"), arg("visible"),
         arg("ratio"), arg("page_size"), arg("softmax_scale"), arg("k"), nogil);
+  m.def("topk_bias", &topk_bias, arg("scores"), arg("visible"), arg("k"), nogil);
+  m.def("block_attention", &block_attention, arg("q"), arg("keys"), arg("bias"), arg("sinks"), arg("scaling"), nogil);
   m.def("paged_attention", &paged_attention, arg("q"), arg("swa"), arg("swa_slots"), arg("comp"),
         arg("page_table"), arg("comp_rows"), arg("visible"), arg("ratio"), arg("page_size"), arg("sinks"),
         arg("scaling"), nogil);

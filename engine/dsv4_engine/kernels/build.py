@@ -237,6 +237,14 @@ def _register_fakes() -> None:
     def _(q, weights, keys, page_table, visible, ratio, page_size, scale, k):  # type: ignore[no-untyped-def]
         return q.new_empty(q.shape[0], k, dtype=torch.long)
 
+    @torch.library.register_fake("dsv4::topk_bias")
+    def _(scores, visible, k):  # type: ignore[no-untyped-def]
+        return torch.empty_like(scores)
+
+    @torch.library.register_fake("dsv4::block_attention")
+    def _(q, keys, bias, sinks, scaling):  # type: ignore[no-untyped-def]
+        return q.new_empty(q.shape[0] * q.shape[1], q.shape[2], q.shape[3])
+
     @torch.library.register_fake("dsv4::gather_pages")
     def _(buffers, pages, staged):  # type: ignore[no-untyped-def]
         return None

@@ -29,6 +29,7 @@ from dsv4_engine.attention.decode_fill import fill_decode_buffers_kernel
 from dsv4_engine.kernels import build
 from dsv4_engine.kernels.base import KernelSet
 from dsv4_engine.kernels.torch_forms import CompiledTorchKernels, TorchKernels
+from dsv4_engine.kernels.torch_ops import index_scores
 
 if TYPE_CHECKING:
     from dsv4_engine.attention.decode_fill import DecodeLocs
@@ -194,6 +195,23 @@ class CpuKernels(_CompilerKeeps, TorchKernels):
             q=q, swa=swa, swa_slots=swa_slots, comp=comp, page_table=page_table, comp_rows=rows,
             visible=visible, ratio=ratio, page_size=page_size, sinks=sinks, scaling=scaling,
         )  # fmt: skip
+
+    def block_attention(self, q: Tensor, keys: Tensor, bias: Tensor, sinks: Tensor, scaling: float) -> Tensor:
+        """Each query over only the keys its bias leaves (a C4 layer's indexer picks ~k of its rows)."""
+        if not _fp32(q, keys, bias, sinks):
+            return super().block_attention(q, keys, bias, sinks, scaling)
+        return self._ops().block_attention(
+            q.contiguous(), keys.contiguous(), bias.contiguous(), sinks, scaling
+        )
+
+    def index_bias(
+        self, q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, scale: float, k: int
+    ) -> Tensor:
+        """The torch form's scores (BLAS, its rounding), then the top-k per query row in parallel
+        instead of a stable sort of every row."""
+        if len(keys) <= k:
+            return super().index_bias(q, weights, keys, visible, scale, k)
+        return self._ops().topk_bias(index_scores(q, weights, keys, scale), visible, k)
 
     def index_topk(
         self,

@@ -29,6 +29,7 @@ from dsv4_engine.kernels.torch_ops import (
     dense_ids,
     expand,
     gather_rows,
+    index_scores,
     page_segments,
     stable_topk,
     stable_topk_rows,
@@ -200,9 +201,7 @@ class TorchKernels(KernelSet):
         future = torch.arange(num_rows, device=q.device)[None, :] >= visible[:, None]
         if num_rows <= k:  # the top-k of all rows is every visible row: no scores needed
             return bias.masked_fill_(~future, 0.0)
-        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * scale  # [n, H, N]
-        scores = (scores * weights[:, :, None]).sum(dim=1)  # [n, N]
-        scores = scores.masked_fill(future, NEG_INF)
+        scores = index_scores(q, weights, keys, scale).masked_fill_(future, NEG_INF)
         picked = stable_topk(scores, min(k, num_rows))
         valid = picked < visible[:, None]
         # Invalid picks go to a spare column that is dropped.

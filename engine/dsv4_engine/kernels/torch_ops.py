@@ -113,6 +113,13 @@ def expand(post: Tensor, comb: Tensor, out: Tensor, streams: Tensor, into: Tenso
     return spread.baddbmm_(comb.transpose(-1, -2), streams)  # in place: no third [T, N, D] buffer
 
 
+def index_scores(q: Tensor, weights: Tensor, keys: Tensor, scale: float) -> Tensor:
+    """The extend indexer's scores `[n, N]` of one request's queries `[n, H, Di]` (head weights `[n, H]`)
+    over its rows `[N, Di]`: sum_h weights_h * relu(q_h . key_j) * scale, in fp32."""
+    scores = F.relu(torch.matmul(q.float(), keys.float().T)) * scale  # [n, H, N]
+    return (scores * weights[:, :, None]).sum(dim=1)
+
+
 def stable_topk(scores: Tensor, k: int) -> Tensor:
     """Indices of the k largest entries along the last dim; ties go to the lower index.
 

@@ -1,7 +1,7 @@
 """The FastAPI app: routes, error shapes, middleware, and loading the engine in the background.
 
 The HTTP port answers from the first moment (503 on /health while loading) so that probes and the
-router see a live process; the engine loads in a daemon thread, then one warm-up request runs through
+router see a live process; the engine loads in a daemon thread (the one that will step it), then one warm-up request runs through
 the whole serving path, and only then does /health answer 200.
 """
 
@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -22,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from dsv4_engine.server import openai_routes, responses, sglang_routes, test_hooks, tokenizer_routes
 from dsv4_engine.server.args import ServerSettings
+from dsv4_engine.server.bridge import EngineThread
 from dsv4_engine.server.errors import install_handlers
 from dsv4_engine.server.generation import GenSpec, Lease, outcomes, sampling_params, start
 from dsv4_engine.server.metrics import CONTENT_TYPE
@@ -55,31 +55,6 @@ def default_engine_factory(settings: ServerSettings) -> EngineFactory:
     return build
 
 
-async def _load_in_thread(factory: EngineFactory) -> Any:
-    """Run the factory in a daemon thread (a stuck load must not block process exit)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():  # the server stopped while loading
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        try:
-            result = factory()
-        except BaseException as exc:
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
-
-    threading.Thread(target=run, name="dsv4-load", daemon=True).start()
-    return await future
-
-
 async def warm_up(ctx: ServerContext) -> None:
     """One short greedy request through the serving path (tokenizer, bridge, engine, detokenizer)."""
     ids = list(ctx.tokenizer.encode(WARMUP_PROMPT)) or [0]
@@ -99,8 +74,13 @@ async def _start_serving(
 ) -> None:
     started = time.monotonic()
     try:
-        engine = await _load_in_thread(factory)
-        ctx.attach(engine, asyncio.get_running_loop())
+        thread = EngineThread()  # builds the engine, then steps it
+        try:
+            engine = await asyncio.wrap_future(thread.submit(factory))
+        except BaseException:
+            thread.close()
+            raise
+        ctx.attach(engine, asyncio.get_running_loop(), thread)
         _stop_when_a_rank_dies(ctx, engine, on_fatal)
         if ctx.settings.disaggregation_mode != "null":
             from dsv4_engine.server import pd

@@ -66,19 +66,6 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def prime_compute_on_main_thread() -> None:
-    """Run a small torch matmul on the main thread before any engine thread computes.
-
-    Measured on this CPU build: if the first BLAS/OpenMP work of the process happens on a non-main
-    thread, every later engine step costs about 4x the CPU (the intra-op workers spin). The engine
-    loads and steps on background threads, so the main thread does this once, first.
-    """
-    import torch
-
-    a = torch.ones(64, 64)
-    (a @ a).add_(1.0)
-
-
 def _configure_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper()),
@@ -102,7 +89,6 @@ def main(argv: list[str]) -> int:
         print(f"dsv4 serve: error: {exc}", file=sys.stderr)
         return 2
     log.info("device: %s%s", settings.device, " (from --device auto)" if asked == "auto" else "")
-    prime_compute_on_main_thread()
     holder: dict[str, DrainingServer] = {}
     app = create_app(settings, on_fatal=lambda exc: holder["server"].fail(exc))
     config = uvicorn.Config(

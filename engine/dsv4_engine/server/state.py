@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from dsv4_engine.server.args import ServerSettings
-from dsv4_engine.server.bridge import EngineBridge, RequestHandle, TokenEvent
+from dsv4_engine.server.bridge import EngineBridge, EngineThread, RequestHandle, TokenEvent
 from dsv4_engine.server.errors import ApiError, unavailable
 from dsv4_engine.server.metrics import ServerMetrics
 
@@ -99,14 +99,17 @@ class ServerContext:
     def _engine_snapshot(self) -> dict[str, float]:
         return self.bridge.metrics() if self.bridge is not None else {}
 
-    def attach(self, engine: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def attach(
+        self, engine: Any, loop: asyncio.AbstractEventLoop, thread: EngineThread | None = None
+    ) -> None:
+        """Serve `engine`, stepping it on `thread`: the one that built it (bridge.py says why)."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.facts = model_facts(engine)
         self.metrics.prewarm.set(float(getattr(engine, "prewarm_seconds", 0.0)))
         self.bridge = EngineBridge(engine, on_tokens=self._on_tokens, on_step=self._on_step)
         self._loop = loop
-        self.bridge.start(loop)
+        self.bridge.start(loop, thread)
 
     @property
     def pd(self) -> PdSide | None:
