@@ -135,8 +135,8 @@ def _scale_of(model: torch.nn.Module, name: str) -> torch.Tensor:
 def test_keep_int8_leaves_the_linears_and_experts_int8_with_their_scales(tiny_w8a8_ckpt: Path) -> None:
     """Where a module takes int8 weights, keep_int8 leaves them int8 with their per-row scales beside
     them (float32, outside the state dict, whose names do not change): a projection's `[O]`, the
-    stacked routed experts' `[E, 2I]` (w1's rows, then w3's) and `[E, D]`. The grouped o_a projection
-    is dequantised as on CPU."""
+    stacked routed experts' `[E, 2I]` (w1's rows, then w3's) and `[E, D]`, the grouped o_a projection's
+    `[G*R]` (its rows, group by group, as stored)."""
     model, report = _load(tiny_w8a8_ckpt, keep_int8=True)
     deq, _ = _load(tiny_w8a8_ckpt)
     raw = _tensors(tiny_w8a8_ckpt)
@@ -145,7 +145,9 @@ def test_keep_int8_leaves_the_linears_and_experts_int8_with_their_scales(tiny_w8
     assert torch.equal(attn.q_a_proj.weight, raw["layers.1.attn.wq_a.weight"])
     assert attn.q_a_proj.weight_scale.dtype == torch.float32
     assert torch.equal(attn.q_a_proj.weight_scale, raw["layers.1.attn.wq_a.weight_scale"].flatten())
-    assert attn.o_a_proj.weight.dtype == torch.float32  # GroupedLinear: dequantised
+    assert attn.o_a_proj.weight.dtype == torch.int8
+    assert torch.equal(attn.o_a_proj.weight, raw["layers.1.attn.wo_a.weight"])
+    assert torch.equal(attn.o_a_proj.weight_scale, raw["layers.1.attn.wo_a.weight_scale"].flatten())
     experts = model.model.layers[2].mlp.experts
     inter = model.config.moe_intermediate_size
     assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.int8
@@ -161,13 +163,22 @@ def test_keep_int8_leaves_the_linears_and_experts_int8_with_their_scales(tiny_w8
             assert torch.equal(weight, raw[f"{stem}.{part}.weight"]), (e, part)
             assert torch.equal(scale, raw[f"{stem}.{part}.weight_scale"].flatten()), (e, part)
     int8 = {n for n, t in model.state_dict().items() if t.dtype == torch.int8}
-    per_layer = {"q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj"}
+    per_layer = {
+        "q_a_proj",
+        "q_b_proj",
+        "kv_proj",
+        "o_a_proj",
+        "o_b_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     assert {n.split(".")[-2] for n in int8} == per_layer | {"experts"}
     csa = sum(r == 4 for r in model.config.compress_ratios)  # each CSA layer's indexer has a q_b too
     layers = len(model.model.layers)
     assert len(int8) == layers * (len(per_layer) + 2) + csa
     kept = layers * (len(per_layer) + 3 * experts.num_experts) + csa  # w1, w3, w2 per expert
-    assert report.kept_int8 == kept and report.dequantized_w8a8 == layers  # o_a
+    assert report.kept_int8 == kept and report.dequantized_w8a8 == 0
     assert set(model.state_dict()) == set(deq.state_dict())
     assert not any(n.endswith(("weight_scale", "proj_scale")) for n in model.state_dict())
     # The dequantised model is the int8 one with its scales applied, row by row.

@@ -1,5 +1,6 @@
 """W8A8 on the NPU set: `quant_linear` as `npu_dynamic_quant` + `npu_quant_matmul`, and
-`quant_routed_experts` as the MoE ops with int8 `npu_grouped_matmul`s, each against its torch form
+`quant_grouped_linear` (o_a) and `quant_routed_experts` as int8 `npu_grouped_matmul`s (the experts with
+the MoE routing ops), each against its torch form
 (the same int8 arithmetic on the host) and the dequantised path (within the bound per-token int8
 rounding allows); the calls the ops refuse; and a `--quant w8a8` checkpoint whose projections and
 experts run in int8 in a whole forward. With DSV4_TORCH_NPU=real the same assertions check the real
@@ -98,6 +99,56 @@ def test_the_decode_variant_captures_quant_linear_as_a_graph(torch_npu: ModuleTy
         x.add_(shift)  # in place: the buffer the graph reads
         graph.replay()
         assert torch.equal(out.cpu(), decode.quant_linear(x, weight, scales).cpu())
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_quant_grouped_linear_is_the_torch_form_and_within_the_int8_bound(
+    torch_npu: ModuleType, dtype: torch.dtype, groups: int
+) -> None:
+    """The grouped o_a projection in int8: one npu_dynamic_quant of the [T*G, in] rows and one
+    npu_grouped_matmul over the G groups equal the torch form's int8 arithmetic within the output's
+    rounding of its largest values (the op's scale is bf16 for a bf16 output: both round it alike);
+    against the dequantised block-diagonal product each (token, group) row differs by what its own
+    per-token rounding allows (as `quant_linear`'s bound, per group)."""
+    from dsv4_engine.kernels.npu import NpuKernels
+
+    tokens, width, rank = 5, 96, 24
+    q, scale = _weights(groups * rank, width, seed=groups)
+    x = (2 * torch.randn(tokens, groups, width, generator=torch.Generator().manual_seed(4))).to(dtype)
+    before = _calls(torch_npu)
+    got = NpuKernels().quant_grouped_linear(npu(x), npu(q), npu(scale))
+    after = _calls(torch_npu)
+    assert got.device.type == "npu" and got.dtype == dtype and got.shape == (tokens, groups * rank)
+    if before is not None and after is not None:
+        assert after["npu_dynamic_quant"] - before.get("npu_dynamic_quant", 0) == 1
+        assert after["npu_grouped_matmul"] - before.get("npu_grouped_matmul", 0) == 1
+    half = dtype if dtype != torch.float32 else BF16
+    ulp = torch.finfo(half).eps
+    same = TorchKernels().quant_grouped_linear(x.to(half), q, scale).float()
+    torch.testing.assert_close(got.cpu().float(), same, rtol=ulp, atol=ulp * same.abs().max().item())
+    w = quant.dequant_w8a8(q, scale)
+    want = TorchKernels().grouped_linear(x.float(), w)  # [T, G*R]
+    row_max = x.float().abs().amax(-1).repeat_interleave(rank, dim=1)  # each group's own rows
+    step = row_max / 254 + (row_max * 2**-8 if dtype == torch.float32 else 0)
+    bound = step * w.abs().sum(-1) + 4 * ulp * want.abs() + 1e-6
+    assert ((got.cpu().float() - want).abs() <= bound).all()
+
+
+def test_the_decode_variant_captures_quant_grouped_linear_as_a_graph(torch_npu: ModuleType) -> None:
+    from dsv4_engine.kernels.npu import NpuDecodeKernels
+
+    q, scale = _weights(2 * 24, 64, seed=5)
+    weight, scales = npu(q), npu(scale)
+    x = npu(torch.randn(4, 2, 64, generator=torch.Generator().manual_seed(6)).to(BF16))
+    decode = NpuDecodeKernels()
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph):
+        out = decode.quant_grouped_linear(x, weight, scales)
+    for shift in (0.0, 0.5):
+        x.add_(shift)
+        graph.replay()
+        assert torch.equal(out.cpu(), decode.quant_grouped_linear(x, weight, scales).cpu())
 
 
 def test_int8_has_no_k_alignment(torch_npu: ModuleType) -> None:
@@ -382,16 +433,17 @@ def _grouped_matmul_weight_dtypes(
     return weight_dtypes
 
 
-def test_a_w8a8_checkpoint_runs_its_projections_and_experts_in_int8(
+def test_a_w8a8_checkpoint_runs_its_projections_o_a_and_experts_in_int8(
     torch_npu: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Loaded for the NPU set (keep_int8: the set's `native_w8a8`), the projections and the stacked
-    routed experts stay int8 on the device, with their scales; a prefill forward calls
-    npu_quant_matmul once per int8 projection, npu_grouped_matmul twice per MoE layer, every time with
-    int8 weights, and npu_dynamic_quant before each. Its logits against the CPU path on the
-    dequantised weights (both bf16): the difference's RMS at most 0.15 of the logits' spread, the
-    argmax equal at >= 85% of positions (measured 0.03 and 95% here, 0.08 and 89-98% on two other
-    prompts; with the experts dequantised 0.06-0.09 and 94-97%):
+    """Loaded for the NPU set (keep_int8: the set's `native_w8a8`), the projections, the grouped o_a
+    projections and the stacked routed experts stay int8 on the device, with their scales; a prefill
+    forward calls npu_quant_matmul once per int8 projection, npu_grouped_matmul once per o_a and twice
+    per MoE layer, every time with int8 weights, and npu_dynamic_quant before each. Its logits against
+    the CPU path on the dequantised weights (both bf16): the difference's RMS at most 0.15 of the
+    logits' spread, the argmax equal at >= 85% of positions (measured 0.04 and 91% here; 0.03 and 95%
+    with o_a dequantised, 0.08 and 89-98% on two other prompts; with the experts dequantised 0.06-0.09
+    and 94-97%):
     per-token int8 rounding of the activations, bf16 op order, and routing or indexer picks near a
     tie. Per op the bounds are exact (the tests above)."""
     from dsv4_engine.config import Dsv4Config
@@ -399,6 +451,7 @@ def test_a_w8a8_checkpoint_runs_its_projections_and_experts_in_int8(
     from dsv4_engine.loader import load_checkpoint
     from dsv4_engine.make_tiny import make_tiny
     from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
+    from dsv4_engine.model.attention import GroupedLinear
     from dsv4_engine.model.moe import Experts
     from dsv4_engine.testing import dense_cache, one_thread
 
@@ -413,11 +466,12 @@ def test_a_w8a8_checkpoint_runs_its_projections_and_experts_in_int8(
         return model.eval()
 
     on_npu = load(kernels.native_w8a8).to("npu")
-    linears = [m for m in on_npu.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)]
-    linears = [m for m in linears if m.weight.dtype == torch.int8]
-    assert len(linears) == 30 and all(
-        m.weight.device.type == m.weight_scale.device.type == "npu" for m in linears
-    )
+    int8 = [m for m in on_npu.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)]
+    int8 = [m for m in int8 if m.weight.dtype == torch.int8]
+    assert all(m.weight.device.type == m.weight_scale.device.type == "npu" for m in int8)
+    grouped = [m for m in int8 if isinstance(m, GroupedLinear)]  # each layer's o_a
+    linears = [m for m in int8 if not isinstance(m, GroupedLinear)]
+    assert len(linears) == 30 and len(grouped) == on_npu.config.num_hidden_layers
     experts = [m for m in on_npu.modules() if isinstance(m, Experts)]
     assert len(experts) == on_npu.config.num_hidden_layers
     for m in experts:
@@ -438,11 +492,11 @@ def test_a_w8a8_checkpoint_runs_its_projections_and_experts_in_int8(
         want = on_cpu.compute_logits(
             on_cpu(ForwardBatch.build([(dense_cache(on_cpu), ids)], kernels=TorchKernels()))
         )
-    assert weight_dtypes == [torch.int8] * 2 * len(experts)
+    assert weight_dtypes == [torch.int8] * (2 * len(experts) + len(grouped))
     if before is not None and after is not None:
         ran = {op: after.get(op, 0) - before.get(op, 0) for op in after}
         assert ran["npu_quant_matmul"] == len(linears)
-        assert ran["npu_dynamic_quant"] == len(linears) + 2 * len(experts)
+        assert ran["npu_dynamic_quant"] == len(linears) + len(grouped) + 2 * len(experts)
     assert (got - want).pow(2).mean().sqrt() <= 0.15 * want.std()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
 
@@ -472,7 +526,7 @@ def test_an_engine_prefills_and_decodes_with_int8_experts(
     finally:
         llm.close()
     forwards = 1 + params.max_tokens - 1  # one prefill of both prompts, then a decode step per token
-    assert weight_dtypes == [torch.int8] * 2 * layers * forwards
+    assert weight_dtypes == [torch.int8] * 3 * layers * forwards  # o_a, then the experts' two
     cpu = LLM(str(ckpt), device="cpu", kernels=False, **options)
     try:
         want = [o.token_ids for o in cpu.generate(prompts, [params] * 2)]

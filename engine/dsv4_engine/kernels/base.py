@@ -63,6 +63,12 @@ class KernelSet(ABC):
         weight `[G*R, in]`."""
 
     @abstractmethod
+    def quant_grouped_linear(self, x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        """`grouped_linear` in W8A8, for int8 weight `[G*R, in]` and its float32 per-row scale
+        `[G*R]`: each token's group row quantised to int8 on its own (as `quant_linear` quantises a
+        token), int8 products summed in int32, the sums rescaled by both scales."""
+
+    @abstractmethod
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """RMS norm over the last dim in fp32, times the (fp32) weight, in x's dtype."""
 

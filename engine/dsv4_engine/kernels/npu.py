@@ -96,6 +96,28 @@ class _NpuOps:
         )
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
+    def quant_grouped_linear(self, x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        """`npu_dynamic_quant` of the [T*G, in] rows, then one `npu_grouped_matmul` whose groups are
+        the projection's: the rows group-major (T a group), the weight's [G, in, R] transposed view
+        of the stored [G*R, in] (no copy), the per-row scale [G, R] as the op pairs it with the output
+        (`quant.grouped_matmul_scale`) and the rows' per-token scales. fp32 x runs in bf16."""
+        tokens, groups, width = x.shape
+        if tokens == 0:  # the ops take no empty tensors
+            return x.new_empty(0, weight.shape[0])
+        half = x if x.dtype in _HALVES else x.to(torch.bfloat16)
+        q, token_scale = self.npu.npu_dynamic_quant(half.reshape(tokens * groups, width))
+        rows = q.view(tokens, groups, width).transpose(0, 1).reshape(groups * tokens, width)
+        row_scale = token_scale.view(tokens, groups).t().reshape(-1)
+        # Counts of one group would be refused; one group's count is also its cumsum.
+        counts = torch.full((groups,), tokens, dtype=torch.int64, device=x.device)
+        (y,) = self.npu.npu_grouped_matmul(
+            [rows], [weight.view(groups, -1, width).transpose(1, 2)],
+            scale=[quant.grouped_matmul_scale(scale.view(groups, -1), half.dtype)],
+            per_token_scale=[row_scale], output_dtype=half.dtype, group_list=counts, split_item=2,
+            group_type=0, group_list_type=int(groups > 1),
+        )  # fmt: skip
+        return y.view(groups, tokens, -1).transpose(0, 1).reshape(tokens, -1).to(x.dtype)
+
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         # The op wants gamma in x's dtype (it computes in fp32 either way).
         return self.npu.npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]

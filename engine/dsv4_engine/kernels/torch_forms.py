@@ -77,6 +77,18 @@ class TorchKernels(KernelSet):
         w = weight.view(x.shape[1], -1, x.shape[-1])  # [G, R, in]
         return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
 
+    def quant_grouped_linear(self, x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+        """The NPU's arithmetic (npu_dynamic_quant of the [T*G, in] rows, then npu_grouped_matmul
+        with the scale as that op takes it) in torch: exact int32 sums, rescaled in fp32."""
+        tokens, groups, width = x.shape
+        q, token_scale = quant.quant_per_token(x.reshape(tokens * groups, width))
+        q = q.view(tokens, groups, width).transpose(0, 1).to(torch.int32)  # [G, T, in]
+        w = weight.view(groups, -1, width).to(torch.int32)  # [G, R, in]
+        sums = torch.bmm(q, w.transpose(1, 2)).to(torch.float32)  # [G, T, R]
+        w_scale = quant.grouped_matmul_scale(scale, x.dtype).to(torch.float32).view(groups, 1, -1)
+        y = sums * token_scale.view(tokens, groups).t().unsqueeze(-1) * w_scale
+        return y.to(x.dtype).transpose(0, 1).reshape(tokens, -1)
+
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

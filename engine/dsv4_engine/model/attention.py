@@ -31,13 +31,13 @@ from dsv4_engine.rope import RopeTable
 class GroupedLinear(Linear):
     """Block-diagonal projection: group g of the input uses rows [g*R, (g+1)*R) of the weight."""
 
-    int8_weights = False  # no grouped int8 op yet: a W8A8 checkpoint's o_a is dequantised at load
-
     def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
         super().__init__(in_per_group, out_features, bias=False)
         self.groups = groups
 
     def forward(self, x: torch.Tensor, kernels: KernelSet) -> torch.Tensor:  # [T, G, in] -> [T, G*R]
+        if self.weight.dtype == torch.int8:
+            return kernels.quant_grouped_linear(x, self.weight, self.weight_scale)
         return kernels.grouped_linear(x, self.weight)
 
 
