@@ -507,6 +507,18 @@ def test_a_failed_prepare_raises_after_the_pieces_already_submitted_ended(
         pipelined(sender, receiver.session, first, pieces=1)
 
 
+def kernel_socket_buffers() -> int:
+    """The most a loopback TCP connection's two socket buffers can hold: the receive and send
+    buffers' autotuning maxima (tcp_rmem's and tcp_wmem's third fields), 64 MiB where unreadable."""
+    try:
+        return sum(
+            int(Path(f"/proc/sys/net/ipv4/{name}").read_text().split()[2])
+            for name in ("tcp_rmem", "tcp_wmem")
+        )
+    except (OSError, IndexError, ValueError):
+        return 64 << 20
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["write", "write_pipelined"])
 def test_write_to_a_hung_peer_times_out_without_holding_the_gil(
@@ -516,11 +528,16 @@ def test_write_to_a_hung_peer_times_out_without_holding_the_gil(
     while it blocks another Python thread runs. Without timing: with the switch interval raised,
     the ticker below can take the GIL from the writer only if the write itself releases it, so a
     tick between the writer's two reads happened during the write. A pipelined write waits on
-    each of its batches the same way."""
-    one = Entries.one(source.ptr, receiver.ptr, 256 << 10)
-    sender.write(receiver.session, one)
-    if how == "write_pipelined":
-        one = Entries([source.ptr] * 2, [receiver.ptr, receiver.ptr + (256 << 10)], [256 << 10] * 2)
+    each of its batches the same way. Mooncake's TCP write ends once the kernel took its bytes, and
+    loopback socket buffers grow with traffic up to tcp_rmem's and tcp_wmem's maxima, so each batch
+    written to the stopped peer is more than both could ever hold (smaller writes into buffers
+    grown by the first one completed, now and then)."""
+    sender.write(receiver.session, Entries.one(source.ptr, receiver.ptr, 256 << 10))
+    mib = 1 << 20  # the receiver's whole buffer, written over and over
+    per_batch = -(-kernel_socket_buffers() // mib) + 1
+    batches = 2 if how == "write_pipelined" else 1
+    one = Entries([source.ptr] * per_batch * batches, [receiver.ptr] * per_batch * batches,
+                  [mib] * per_batch * batches)  # fmt: skip
     receiver.proc.send_signal(signal.SIGSTOP)  # alive, connected, never acknowledges: the timeout's case
     ticks, done, errors, seen = [0], threading.Event(), [], []
 
@@ -534,7 +551,7 @@ def test_write_to_a_hung_peer_times_out_without_holding_the_gil(
             if how == "write":
                 sender.write(receiver.session, one)
             else:
-                pipelined(sender, receiver.session, one, pieces=2)
+                pipelined(sender, receiver.session, one, pieces=batches)
         except TransferError as e:
             errors.append(e)
         seen.append(ticks[0] - before)
