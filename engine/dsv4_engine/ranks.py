@@ -59,11 +59,15 @@ def load_model(
     layer (speculative decoding's draft model)."""
     from dsv4_engine.kernels import choose_kernels
     from dsv4_engine.loader import load_checkpoint
+    from dsv4_engine.quant import store_grouped_scales
 
     config = Dsv4Config.from_pretrained(model_path)
     model = Dsv4ForCausalLM(config, max_positions=max_positions, parallel=parallel, mtp=mtp).cast(dtype)
     # W8A8 weights stay int8 where the device's kernel set runs them (NPU), else are dequantised.
-    load_checkpoint(model, model_path, dtype=None, keep_int8=choose_kernels(device).native_w8a8)
+    keep_int8 = choose_kernels(device).native_w8a8
+    load_checkpoint(model, model_path, dtype=None, keep_int8=keep_int8)
+    if keep_int8:
+        store_grouped_scales(model, dtype)
     return model.to(device).eval()
 
 

@@ -501,13 +501,13 @@ def test_a_w8a8_checkpoint_runs_its_projections_o_a_and_experts_in_int8(
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
 
 
-def test_an_engine_prefills_and_decodes_with_int8_experts(
+def test_an_engine_prefills_and_decodes_with_int8_o_a_and_experts(
     torch_npu: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`LLM(device="npu")` on a `--quant w8a8` checkpoint (keep_int8 from the set's `native_w8a8`):
-    the prefill and every decode step run the routed experts as int8 npu_grouped_matmuls, two per
-    layer per forward, and the greedy tokens start as the CPU path's on the dequantised weights (both
-    bf16; measured: the first 6 of 6 and 2 of 6, then int8 rounding moves a near tie)."""
+    the prefill and every decode step run o_a and the routed experts as int8 npu_grouped_matmuls,
+    three per layer per forward, and the greedy tokens start as the CPU path's on the dequantised
+    weights (both bf16; measured: the first 6 of 6 and 2 of 6, then int8 rounding moves a near tie)."""
     from dsv4_engine import LLM, SamplingParams
     from dsv4_engine.make_tiny import make_tiny
     from dsv4_engine.testing import one_thread
@@ -521,6 +521,12 @@ def test_an_engine_prefills_and_decodes_with_int8_experts(
     try:
         experts = llm.engine.model.model.layers[0].mlp.experts
         assert experts.gate_up_proj.dtype == torch.int8 and experts.gate_up_proj.device.type == "npu"
+        # The grouped matmuls' scales are stored as the op takes them for a bf16 model (no per-step
+        # cast); npu_quant_matmul's stay float32.
+        attn = llm.engine.model.model.layers[0].self_attn
+        grouped = (experts.gate_up_proj_scale, experts.down_proj_scale, attn.o_a_proj.weight_scale)
+        assert all(s.dtype == BF16 for s in grouped)
+        assert attn.q_a_proj.weight_scale.dtype == torch.float32
         got = [o.token_ids for o in llm.generate(prompts, [params] * 2)]
         layers = llm.engine.model.config.num_hidden_layers
     finally:

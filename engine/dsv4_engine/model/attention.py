@@ -15,6 +15,8 @@ parameters it needs from here.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -30,6 +32,9 @@ from dsv4_engine.rope import RopeTable
 
 class GroupedLinear(Linear):
     """Block-diagonal projection: group g of the input uses rows [g*R, (g+1)*R) of the weight."""
+
+    # Int8, it runs as a grouped matmul: its scales as that op takes them (`quant.store_grouped_scales`).
+    grouped_int8_scales: ClassVar[tuple[str, ...]] = ("weight_scale",)
 
     def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
         super().__init__(in_per_group, out_features, bias=False)

@@ -64,6 +64,8 @@ class Experts(Module):
     `down_proj_scale [E, D]` (loader.py); the set's `quant_routed_experts` runs them."""
 
     int8_weights: ClassVar[bool] = True  # the loader may keep these weights int8
+    # Their scales as the grouped matmul takes them (`quant.store_grouped_scales`, at load).
+    grouped_int8_scales: ClassVar[tuple[str, ...]] = ("gate_up_proj_scale", "down_proj_scale")
 
     def __init__(self, config: Dsv4Config, parallel: Parallel = SINGLE) -> None:
         super().__init__()
