@@ -335,11 +335,13 @@ TEST_ENV = {
 }
 
 
-def make_transport() -> MooncakeTransport:
-    """A transport created under TEST_ENV, this process's environment left as it was afterwards (the
-    engine reads the variables when created; MooncakeTransport sets its defaults into os.environ)."""
-    saved = {k: os.environ.get(k) for k in (*TEST_ENV, *MOONCAKE_ENV_DEFAULTS)}
-    os.environ.update(TEST_ENV)
+def make_transport(**env: str) -> MooncakeTransport:
+    """A transport created under TEST_ENV and `env`, this process's environment left as it was
+    afterwards (the engine reads the variables when created; MooncakeTransport sets its defaults into
+    os.environ)."""
+    variables = {**TEST_ENV, **env}
+    saved = {k: os.environ.get(k) for k in (*variables, *MOONCAKE_ENV_DEFAULTS)}
+    os.environ.update(variables)
     try:
         return MooncakeTransport("127.0.0.1")
     finally:
@@ -354,6 +356,15 @@ def make_transport() -> MooncakeTransport:
 def sender() -> Iterator[MooncakeTransport]:
     transport = make_transport()
     yield transport
+    transport.close()
+
+
+@pytest.fixture(scope="module")
+def one_lane() -> Iterator[tuple[MooncakeTransport, Source]]:
+    """A sender with one connection per peer (Mooncake opens up to MC_TCP_LANES_PER_PEER), and its
+    registered source: a write it makes can hide in that connection's two socket buffers only."""
+    transport = make_transport(MC_TCP_LANES_PER_PEER="1")
+    yield transport, Source(1 << 20, transport)
     transport.close()
 
 
@@ -522,16 +533,19 @@ def kernel_socket_buffers() -> int:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["write", "write_pipelined"])
 def test_write_to_a_hung_peer_times_out_without_holding_the_gil(
-    sender: MooncakeTransport, source: Source, receiver: Receiver, how: str
+    one_lane: tuple[MooncakeTransport, Source], receiver: Receiver, how: str
 ) -> None:
     """The write to a stopped peer ends with TransferError (Mooncake's 5 s MC_TRANSFER_TIMEOUT), and
     while it blocks another Python thread runs. Without timing: with the switch interval raised,
     the ticker below can take the GIL from the writer only if the write itself releases it, so a
     tick between the writer's two reads happened during the write. A pipelined write waits on
-    each of its batches the same way. Mooncake's TCP write ends once the kernel took its bytes, and
-    loopback socket buffers grow with traffic up to tcp_rmem's and tcp_wmem's maxima, so each batch
-    written to the stopped peer is more than both could ever hold (smaller writes into buffers
-    grown by the first one completed, now and then)."""
+    each of its batches the same way. In Mooncake's unacknowledged v1 TCP framing a write ends once
+    the kernel took its bytes (MC_TCP_PROTO=1 forces it; v2's end when the peer acknowledges), and
+    loopback socket buffers grow with traffic up to tcp_rmem's and tcp_wmem's maxima: so the sender
+    has one connection, and each batch written to the stopped peer is more than its buffers could
+    ever hold. (With 16 connections and 256-512 KiB writes this test failed now and then, in CI and
+    under v1 every time.)"""
+    sender, source = one_lane
     sender.write(receiver.session, Entries.one(source.ptr, receiver.ptr, 256 << 10))
     mib = 1 << 20  # the receiver's whole buffer, written over and over
     per_batch = -(-kernel_socket_buffers() // mib) + 1
