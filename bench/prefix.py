@@ -30,7 +30,9 @@ Part 2, cluster: `dsv4 up` on examples/cpu-tiny.yaml with this checkpoint, the r
 2 (+1 decode; `dsv4 up` gives prefill the first half of the cores, so 2 prefill servers share it). Both
 workloads through the router (its own repeat tags). Cluster-wide hit rate: the prefill servers' /metrics
 counters summed (the decode admits the transferred prompt and is left out), and from usage if the
-response carries it. Target: 2-prefill hit rate within 10 points of 1-prefill's.
+response carries it. Target: 2-prefill hit rate within 10 points of 1-prefill's. Every request
+carries its conversation's `X-SMG-Routing-Key` (a chat user's, a shared-prompt user's), which
+`--router-policy manual` keeps on one prefill server and the other policies ignore.
 
 Prints one table per part; writes the raw figures (requests.csv: one row per request; runs.csv: one row
 per run with its /metrics deltas per server), ttft.png (TTFT CDF per workload, cache on against off) and
@@ -66,6 +68,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 NAME = "bench"
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "engine" / "dsv4_engine" / "data" / "demo"
+ROUTING_KEY = "X-SMG-Routing-Key"  # one per conversation (a chat user, a shared-prompt user)
 SPEC = ROOT / "examples" / "cpu-tiny.yaml"
 TTFT_TARGET = 5.0  # shared workload: TTFT p50 cache off / on
 HIT_POINTS_TARGET = 10.0  # cluster: 2-prefill hit rate within this many points of 1-prefill's
@@ -271,7 +274,11 @@ async def chat(
     res: Result,
     a: argparse.Namespace,
     t0: float,
+    key: str | None = None,
 ) -> None:
+    """One streamed chat completion into `res`; `key`: the conversation's `X-SMG-Routing-Key`, which
+    sglang-router's `manual` policy keeps on one server (the others ignore it, as dsv4 serve does)."""
+    headers = {ROUTING_KEY: key} if key is not None else {}
     body = {
         "model": NAME,
         "messages": messages,
@@ -288,7 +295,7 @@ async def chat(
 
     async def stream() -> None:
         nonlocal chunks
-        async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+        async with client.stream("POST", f"{base}/v1/chat/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return
@@ -357,7 +364,7 @@ async def run_workload(
                 {"role": "user", "content": wl.questions[u]},
             ]
             async with sem:
-                await chat(client, base, messages, res, a, t0)
+                await chat(client, base, messages, res, a, t0, key=f"{config}-{rep}-shared-{u}")
             results.append(res)
 
         async def chat_user(u: int) -> None:
@@ -366,7 +373,7 @@ async def run_workload(
                 history.append({"role": "user", "content": msg})
                 res = Result(part, config, kind, rep, u, t)
                 async with sem:
-                    await chat(client, base, list(history), res, a, t0)
+                    await chat(client, base, list(history), res, a, t0, key=f"{config}-{rep}-chat-{u}")
                 results.append(res)
                 if res.error:
                     return  # the history cannot go on without this reply

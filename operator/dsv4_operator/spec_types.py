@@ -152,7 +152,7 @@ class RoleSpec(_Placement):
     priority_class_name: Name | None = None
 
 
-PrefillPolicy = Literal["random", "round_robin", "cache_aware", "power_of_two", "bucket"]
+PrefillPolicy = Literal["random", "round_robin", "cache_aware", "power_of_two", "bucket", "manual"]
 DecodePolicy = Literal["random", "round_robin", "cache_aware", "power_of_two"]
 
 

@@ -202,6 +202,53 @@ def test_up_runs_parallel_servers(tiny_model: Path, spec_for: Any, up: Any, tmp_
         assert "rank 1: process groups prewarmed" in log, log[-2000:]  # a second rank ran in it
 
 
+def prompt_tokens(base: str) -> float:
+    """Prompt tokens a server has admitted (vllm:prompt_tokens_total, over its label sets)."""
+    from prometheus_util import scrape
+
+    return sum(v for (name, _), v in scrape(base).items() if name == "vllm:prompt_tokens_total")
+
+
+def test_manual_prefill_policy_keeps_a_conversation_on_one_prefill_server(
+    tiny_model: Path, spec_for: Any, up: Any, tmp_path: Path
+) -> None:
+    """Two prefill servers, `router.prefillPolicy: manual`: every turn of a conversation (one
+    X-SMG-Routing-Key) reaches the prefill server its first turn did, so each later turn resumes its
+    history from that server's prefix cache. (sglang-router 0.3.2's cache_aware picks a PD prefill
+    server at random: the upstream bug docs/foundation.md names.) Random picks would keep all 4
+    conversations' 3 turns each together with probability 1/4^4."""
+    doc = yaml.safe_load(spec_for(tiny_model).read_text())
+    doc["spec"]["prefill"]["replicas"] = 2
+    doc["spec"]["router"]["prefillPolicy"] = "manual"
+    spec = tmp_path / "manual.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    run = up(spec)
+    api = client(run.endpoint())
+    prefills = sorted((u for n, (_, u) in run.children().items() if n.startswith("prefill-")))
+    assert len(prefills) == 2
+    served: dict[str, set[str]] = {}
+    cached: dict[str, list[int]] = {}
+    for conv in ("a", "b", "c", "d"):
+        history: list[dict[str, str]] = []
+        for turn in range(3):
+            history.append(
+                {"role": "user", "content": f"Conversation {conv}, turn {turn}: " + "tell me more. " * 40}
+            )
+            before = [prompt_tokens(u) for u in prefills]
+            out = api.chat.completions.create(
+                model="dsv4-tiny", messages=history, max_tokens=4, temperature=0,
+                extra_headers={"X-SMG-Routing-Key": f"conversation-{conv}"},
+            )  # fmt: skip
+            grew = [u for u, b in zip(prefills, before, strict=True) if prompt_tokens(u) > b]
+            assert len(grew) == 1, (conv, turn, grew)
+            served.setdefault(conv, set()).add(grew[0])
+            details = out.usage.prompt_tokens_details if out.usage else None
+            cached.setdefault(conv, []).append(details.cached_tokens if details else 0)
+            history.append({"role": "assistant", "content": out.choices[0].message.content or ""})
+    assert all(len(servers) == 1 for servers in served.values()), served
+    assert all(c[1] > 0 and c[2] > c[1] for c in cached.values()), cached  # each turn resumed the last
+
+
 def test_lm_eval_through_up(tiny_model: Path, spec_for: Any, up: Any, lm_eval: Any) -> None:
     """lm-eval's loglikelihood and generate_until tasks through the router in front of the PD pair:
     the prompt's logprobs, which only the prefill computes, come back through the decode and equal
