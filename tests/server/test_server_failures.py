@@ -188,6 +188,32 @@ def test_event_loop_answers_while_a_step_runs(fake: Any, settings_factory: Any, 
         assert result["r"].status_code == 200
 
 
+def test_the_thread_that_builds_the_engine_steps_it(
+    fake: Any, settings_factory: Any, serve: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine is built and stepped on one thread, neither the main thread nor the event loop's: a
+    second thread computing makes a second OpenMP pool, which made CPU steps ~1.5x slower
+    (bridge.EngineThread)."""
+    built: list[int] = []
+    stepped: set[int] = set()
+    step = fake.step
+
+    def recording_step() -> Any:
+        stepped.add(threading.get_ident())
+        return step()
+
+    monkeypatch.setattr(fake, "step", recording_step)
+
+    def factory() -> Any:
+        built.append(threading.get_ident())
+        return fake
+
+    with serve(create_app(settings_factory(), factory)) as base:  # ready: the warm-up has stepped
+        assert httpx.post(f"{base}/v1/completions", json=COMPLETION, timeout=30).status_code == 200
+    assert len(built) == 1 and stepped == set(built), (built, stepped)
+    assert built[0] not in (threading.main_thread().ident, threading.get_ident())
+
+
 def test_pd_fields_need_a_pd_role(fake: Any, settings_factory: Any, serve: Any) -> None:
     with serve(create_app(settings_factory(), lambda: fake)) as base:
         r = httpx.post(f"{base}/v1/completions", json={**COMPLETION, "bootstrap_room": 7})
