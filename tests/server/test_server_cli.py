@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +229,25 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"dsv4 {importlib.metadata.version('dsv4')}"
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [({}, "3000"), ({"GOMP_SPINCOUNT": "5"}, "5"), ({"OMP_WAIT_POLICY": "passive"}, None)],
+    ids=["default", "spin-count-set", "wait-policy-set"],
+)
+def test_serve_shortens_openmp_spinning_unless_told(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], want: str | None
+) -> None:
+    """`dsv4 serve` sets GOMP_SPINCOUNT before torch loads libgomp (docs/server.md "Threads"), leaving
+    an operator's own GOMP_SPINCOUNT or OMP_WAIT_POLICY alone."""
+    from dsv4_engine.cli import serve_main as cli_serve
+
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        cli_serve(["--help"])
+    assert exited.value.code == 0
+    assert os.environ.get("GOMP_SPINCOUNT") == want
