@@ -207,7 +207,7 @@ class CpuKernels(_CompilerKeeps, TorchKernels):
     def index_bias(
         self, q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, scale: float, k: int
     ) -> Tensor:
-        """The torch form's scores (BLAS, its rounding), then the top-k per query row in parallel
+        """The torch form's scores (BLAS, its rounding), then each query row's top-k in one pass
         instead of a stable sort of every row."""
         if len(keys) <= k:
             return super().index_bias(q, weights, keys, visible, scale, k)

@@ -1,8 +1,8 @@
 """The FastAPI app: routes, error shapes, middleware, and loading the engine in the background.
 
 The HTTP port answers from the first moment (503 on /health while loading) so that probes and the
-router see a live process; the engine loads in a daemon thread (the one that will step it), then one warm-up request runs through
-the whole serving path, and only then does /health answer 200.
+router see a live process; the engine loads in a daemon thread (the one that will step it), then one
+warm-up request runs through the whole serving path, and only then does /health answer 200.
 """
 
 from __future__ import annotations
