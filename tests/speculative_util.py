@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "engine" / "dsv4_engine" / "data" / "demo"
@@ -69,3 +70,22 @@ def add_random_mtp(src: Path, dst: Path, seed: int = 0) -> Path:
 def mtp_checkpoint(dst: Path, src: Path = DEMO) -> Path:
     """`src` itself when it has an MTP layer, else `add_random_mtp(src, dst)`."""
     return src if has_mtp(src) else add_random_mtp(src, dst)
+
+
+def record_drafts(llm: Any) -> tuple[list[list[int]], list[Any]]:
+    """Every draft rank 0's drafter proposes from now on, in order (each request's, step by step),
+    and every row (`DraftRow`) it drafts from."""
+    drafter = llm.engine.runner.drafter
+    assert drafter is not None
+    drafts: list[list[int]] = []
+    rows: list[Any] = []
+    propose = drafter.propose
+
+    def recording(batch: list[Any], streams: Any) -> dict[str, list[int]]:
+        rows.extend(batch)
+        out = propose(batch, streams)
+        drafts.extend(out.values())
+        return out
+
+    drafter.propose = recording
+    return drafts, rows

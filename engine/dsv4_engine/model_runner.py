@@ -28,6 +28,7 @@ from dsv4_engine.graph_runner import DECODE_MODES, DecodeGraphRunner, DecodeMode
 from dsv4_engine.kernels import KernelSet, choose_kernels
 from dsv4_engine.memory import Dsv4Allocator, DSV4OutCacheLoc, Dsv4TokenToKVPool, ExtendSpec
 from dsv4_engine.memory.out_cache_loc import one_token_steps
+from dsv4_engine.memory.state_copies import StateCopy
 from dsv4_engine.model import Dsv4ForCausalLM, ForwardBatch
 from dsv4_engine.sampler import sample, token_logprobs
 from dsv4_engine.scheduler import ScheduledChunk, SchedulerOutput, Sequence
@@ -91,6 +92,9 @@ class Followers(Protocol):
 
     def send(self, journal: list[tuple[str, tuple]], step: StepPlan) -> None: ...
 
+    def replay(self, journal: list[tuple[str, tuple]]) -> None:
+        """Have them replay the allocator's changes so far, without a step."""
+
     def draft(self, rows: list[DraftRow]) -> None:
         """Have them run the MTP layer over the rows too (its modules are sharded like the rest)."""
 
@@ -133,9 +137,12 @@ class ModelRunner:
         if num_draft_tokens:
             rows = allocator.req_pool.req_to_token.shape[0]
             dim = model.config.head_dim
+            cfg = model.config
             cache = DraftCache(
-                rows, model.config.sliding_window, num_draft_tokens, dim, model.dtype, self.device
-            )
+                rows, cfg.sliding_window, num_draft_tokens, dim, model.dtype, self.device,
+                stream_shape=(cfg.hc_mult, cfg.hidden_size),
+                snapshot_slots=allocator.snapshot_slots.num_pages,
+            )  # fmt: skip
             self.drafter = Drafter(model, cache, num_draft_tokens, self.kernels)
         # Rank 0 of a parallel server: where each step goes before its forward (ranks.py).
         self.followers: Followers | None = None
@@ -188,20 +195,27 @@ class ModelRunner:
         request row's ring, on every rank."""
         assert self.drafter is not None
         if self.followers is not None:
+            # The snapshot copies queued before this write read the row's ring first on every rank.
+            self.followers.replay(self.allocator.take_journal())
             self.followers.window(req_idx, start, rows.cpu())
         self.drafter.cache.write(req_idx, start, rows)
 
-    def apply_state_copies(self) -> None:
-        """Copy the C4 state rows the allocator queued to and from the prefix cache's snapshot slots:
-        before a forward (the requests it resumes read theirs) and after a step (the snapshots it
-        took, before anything can write their rows again). A follower rank runs them at the same
-        points, replaying the journal (ranks.py)."""
-        self.kv_pool.apply_state_copies(self.allocator.take_state_copies())
+    def apply_state_copies(self, copies: list[StateCopy] | None = None) -> None:
+        """Copy the C4 state rows the allocator queued (default: take them now) to and from the prefix
+        cache's snapshot slots, and the MTP window with them: before a forward (the requests it
+        resumes read theirs) and after a step (the snapshots it took, before anything can write
+        their rows again). A follower rank runs them at the same points, replaying the journal
+        (ranks.py)."""
+        if copies is None:
+            copies = self.allocator.take_state_copies()
+        self.kv_pool.apply_state_copies(copies)
+        if self.drafter is not None and copies:
+            self.drafter.cache.apply(copies)
 
     def draft(self, rows: list[DraftRow], streams: torch.Tensor | None) -> dict[str, list[int]]:
         """The MTP layer over the rows (rank 0's choice, every rank runs it): request id -> drafts."""
         assert self.drafter is not None and (streams is not None or not rows)
-        return self.drafter.propose(rows, streams) if streams is not None else {}
+        return self.drafter.propose(rows, streams)
 
     def extend(self, step: StepPlan) -> tuple[torch.Tensor | None, ForwardBatch | None, torch.Tensor | None]:
         """The step's extend forward over its prefill chunks: (final hidden states, the batch, the
@@ -377,6 +391,7 @@ class ModelRunner:
         start at `spans[i]` in the step's `streams`): what the target computed (for a verify, its kept
         drafts and the token after them), each with the token after it; drafts for the next step of
         those that sampled. A parallel server's other ranks run the same rows (`Followers.draft`)."""
+        assert self.drafter is not None
         rows = []
         for i, c in enumerate(chunks):
             seq = c.seq
@@ -388,11 +403,15 @@ class ModelRunner:
             following = known + got[: n - len(known)]  # got: the tokens after the known ones
             if len(following) < n:  # an unfinished prefill's chunk ends where its prompt does not
                 continue
+            start, carried = c.start, False
             if seq.draft_window_from is None:  # its first MTP pass on this row
-                seq.draft_window_from = c.start
+                seq.draft_window_from, carried = self.drafter.cache.first_pass(seq.req_idx, c.start)
+                if carried:  # the row of P - 1 too, from the snapshot's stream and this chunk's first token
+                    start, following = c.start - 1, [c.token_ids[0], *following]
+            window_from = seq.draft_window_from
             rows.append(
                 DraftRow(
-                    seq.request_id, seq.req_idx, c.start, spans[i], following, c.sample, seq.draft_window_from
+                    seq.request_id, seq.req_idx, start, spans[i], following, c.sample, window_from, carried
                 )
             )
         if self.followers is not None:

@@ -193,19 +193,16 @@ def grouped_matmul_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return scale.to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
 
 
-def store_grouped_scales(model: torch.nn.Module, dtype: torch.dtype) -> int:
+def store_grouped_scales(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Round, once at load, the W8A8 scales an npu_grouped_matmul reads (each module's
     `grouped_int8_scales` buffers, where its weights stayed int8) as `grouped_matmul_scale` gives them
     for a `dtype` model, so no step casts them again (the same values: the forms cast to what they
-    already are). Returns how many buffers it stored."""
-    stored = 0
+    already are)."""
     for module in model.modules():
         for name in getattr(module, "grouped_int8_scales", ()):
             scale = module._buffers.get(name)
             if scale is not None:
                 module._buffers[name] = grouped_matmul_scale(scale, dtype)
-                stored += 1
-    return stored
 
 
 def quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,9 +110,11 @@ def threads_per_rank(tp_size: int) -> int:
 @dataclass(frozen=True)
 class Message:
     """What rank 0 broadcasts: a step to run (with the allocator's changes to replay first), the
-    MTP rows to draft after it (speculative decoding), or stop."""
+    allocator's changes alone (before a PD window write: the snapshot copies queued before it read
+    the ring first), the MTP rows to draft after a step (speculative decoding), a PD transfer's MTP
+    window, or stop."""
 
-    kind: Literal["step", "draft", "window", "stop"]
+    kind: Literal["step", "journal", "draft", "window", "stop"]
     journal: list[tuple[str, tuple]] = field(default_factory=list)
     step: StepPlan | None = None
     drafts: list[DraftRow] = field(default_factory=list)
@@ -131,6 +133,10 @@ class StepBroadcast:
     def send(self, journal: list[tuple[str, tuple]], step: StepPlan) -> None:
         self._send(Message("step", journal, step=step))
         self.sent += 1
+
+    def replay(self, journal: list[tuple[str, tuple]]) -> None:
+        if journal:
+            self._send(Message("journal", journal))
 
     def draft(self, rows: list[DraftRow]) -> None:
         self._send(Message("draft", drafts=rows))
@@ -322,7 +328,7 @@ def follow(rank: Rank, parallel: Parallel, progress: Progress) -> None:
             if message.kind == "window" and message.window is not None:
                 runner.write_draft_window(*message.window)
                 continue
-            allocator.replay(message.journal, rank.memory.kv.apply_state_copies)
+            allocator.replay(message.journal, runner.apply_state_copies)
             if message.step is not None:
                 streams = runner.forward(message.step)
                 progress.advance()

@@ -13,6 +13,7 @@ import torch
 from dsv4_engine.llm import LLM
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.testing import greedy_divergences, random_ids
+from speculative_util import record_drafts  # tests/ is on sys.path (tests/conftest.py)
 
 LENGTHS = [17, 130, 515]  # across the window, ratio-4 and ratio-128 boundaries, chunked at 128
 TOKENS = 8
@@ -77,6 +78,32 @@ def test_a_resumed_request_on_two_ranks_equals_one_rank(checkpoints: dict[str, P
 
     two, one = run(tp_size=2), run()
     assert two == one and one[1] == 256
+
+
+def test_a_resumed_request_drafts_on_two_ranks_as_on_one(checkpoints: dict[str, Path]) -> None:
+    """Every rank restores the MTP window with a snapshot's C4 rows (the journal's copies run on its
+    draft ring too): a request resumed at 256 with 3 more prompt tokens, fewer than the 16-token
+    window, proposes on two ranks the drafts it proposes on one. Another request first takes the row
+    the first one freed, so the resumed one's ring row holds only what a restore put there; a rank
+    drafting from a ring it never restored all-reduces other heads' output (the random MTP layer's
+    drafts follow its window: test_engine_speculative.py)."""
+    base = random_ids(256, seed=51)
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+
+    def run(**kwargs: object) -> tuple[list[list[int]], list[list[int]], int]:
+        llm = LLM(checkpoints["A"], dtype="float32", max_model_len=1024, max_num_seqs=8, num_pages=64,
+                  chunked_prefill_size=256, speculative_num_steps=2, **kwargs)  # fmt: skip
+        try:
+            llm.generate([base + random_ids(5, seed=52)], params)
+            drafts, _ = record_drafts(llm)
+            outs = llm.generate([random_ids(40, seed=54), base + random_ids(3, seed=53)], params)
+            return [o.token_ids for o in outs], drafts, outs[1].num_cached_tokens
+        finally:
+            llm.close()
+
+    one, two = run(), run(tp_size=2)
+    assert one[2] == 256 and len(one[1]) > TOKENS
+    assert two == one
 
 
 def test_speculative_decoding_on_two_ranks() -> None:

@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from dsv4_engine.llm import LLM
+from dsv4_engine.memory.state_copies import StateCopy
 from dsv4_engine.memory.state_tail import state_alloc_offset
 from dsv4_engine.sampling_params import SamplingParams
-from dsv4_engine.speculative import Drafter
+from dsv4_engine.speculative import DraftCache, Drafter
 from dsv4_engine.testing import greedy_divergences, random_ids
+from speculative_util import record_drafts  # tests/ is on sys.path (tests/conftest.py)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # Prompt lengths on and around the 4 and 128 grids and the windows (8-32 in the parity configs).
@@ -151,8 +153,8 @@ def test_random_accept_reject_leaves_the_pools_as_no_drafting(mtp_checkpoints, a
 
 
 def test_speculation_from_a_cached_prefix(mtp_checkpoints, assert_released) -> None:
-    """A request resumed from the prefix cache speculates too (its MTP window starts at the resume
-    point): the output is the no-speculation engine's, with the same cache hits."""
+    """A request resumed from the prefix cache speculates too (its MTP window comes back with the
+    snapshot): the output is the no-speculation engine's, with the same cache hits."""
     base = random_ids(300, seed=41)
     prompts = [base + random_ids(9, seed=42), base + random_ids(17, seed=43)]
     outs = {}
@@ -164,6 +166,53 @@ def test_speculation_from_a_cached_prefix(mtp_checkpoints, assert_released) -> N
             assert llm.engine.metrics()["spec_decode_num_drafts"] > 0
             assert_released(llm)
     assert [o.token_ids for o in outs[2]] == [o.token_ids for o in outs[0]]
+
+
+def test_a_snapshot_keeps_the_draft_window_only_where_the_pass_reached() -> None:
+    """A save at P keeps ring rows [P - window, P - 1) and the stream at P - 1 when the row's pass of
+    that step ended at P - 1; a restore puts them into the resumed row, whose first pass from P then
+    carries row P - 1. A row whose pass ended elsewhere leaves a snapshot without a window."""
+    cache = DraftCache(2, 4, 1, 3, torch.float32, torch.device("cpu"), stream_shape=(2, 3), snapshot_slots=2)
+    cache.kv[:] = torch.arange(cache.kv.numel(), dtype=torch.float32).view_as(cache.kv)
+    cache.held, cache.tail[0] = {0: (2, 7)}, 5.0  # row 0's pass covered [2, 8), window from 2
+    cache.apply([StateCopy(slot=1, row=0, save=True, req_idx=0, position=8)])
+    assert cache.snap_from[1] == 4  # P - window: what a query at P - 1 reads
+    cache.apply([StateCopy(slot=1, row=0, save=False, req_idx=1, position=8)])
+    assert torch.equal(cache.read(1, 4, 7), cache.read(0, 4, 7))
+    assert torch.equal(cache.tail[1], cache.tail[0])
+    assert cache.first_pass(1, 8) == (4, True) and cache.first_pass(1, 9) == (9, False)
+
+    cache.held = {0: (0, 9)}  # the pass went past P - 1: its tail is not P - 1's stream
+    cache.apply([StateCopy(slot=2, row=0, save=True, req_idx=0, position=8)])
+    assert cache.snap_from[2] is None
+    cache.apply([StateCopy(slot=2, row=0, save=False, req_idx=1, position=8)])
+    assert cache.first_pass(1, 8) == (8, False)
+
+
+def test_a_resumed_request_drafts_as_if_it_had_prefilled_its_prefix(mtp_checkpoints, assert_released) -> None:
+    """A snapshot keeps the MTP layer's window: a request resumed at P = 256 with 3 more prompt tokens
+    (fewer than the 16-token window) proposes every draft that the same request, prefilled from 0 in
+    a chunk ending at 256 with the cache off, proposes. Its first pass computes row 255 from the
+    snapshot's stream (`carried`) and reads the window from 240."""
+    base = random_ids(256, seed=51)
+    first, second = base + random_ids(5, seed=52), base + random_ids(3, seed=53)
+    kw = {"speculative_num_steps": 2, "chunked_prefill_size": 256}
+    cached = _llm(mtp_checkpoints["A"], disable_radix_cache=False, **kw)
+    cached.generate([first], GREEDY)
+    got, rows = record_drafts(cached)
+    resumed = cached.generate([second], GREEDY)[0]
+    assert resumed.num_cached_tokens == 256
+    window = cached.engine.layout.window
+    carried = [r for r in rows if r.carried]  # type: ignore[attr-defined]
+    assert [(r.start, r.window_from) for r in carried] == [(255, 256 - window)]  # type: ignore[attr-defined]
+    assert_released(cached)
+
+    plain = _llm(mtp_checkpoints["A"], **kw)
+    want, _ = record_drafts(plain)
+    again = plain.generate([second], GREEDY)[0]
+    assert again.token_ids == resumed.token_ids
+    assert len(got) == len(want) > 1
+    assert got == want
 
 
 # What the sampler applies beyond temperature/top-k/top-p, each on its own request: kept drafts must

@@ -74,7 +74,7 @@ def test_snapshot_keeps_what_resuming_at_the_boundary_reads(make_mem) -> None:
     assert set(hit.snapshot) == {"swa"} and hit.slot == 1  # C128: no partial block at 256
     assert list(hit.snapshot["swa"]) == [1]
     row = int(pool.req_to_token_c4_state[r, 252])  # the state slot of position 252 (P - 4)
-    assert a.take_state_copies() == [StateCopy(slot=1, row=row, save=True)]
+    assert a.take_state_copies() == [StateCopy(slot=1, row=row, save=True, req_idx=r, position=256)]
     before = _tables(pool, r, 256)
     a.alloc_extend([ExtendSpec(r, 256, 300)])  # the row moves on; its pages below 256 never change
     a.free(r)
@@ -99,7 +99,9 @@ def test_snapshot_keeps_what_resuming_at_the_boundary_reads(make_mem) -> None:
     # Its C4 state page of [128, 256) is its own; the slot's rows go back to [252, 256) of it.
     (own,) = a.pages_of(r2)["c4s"]
     assert after["req_to_token_c4_state"][128:] == list(range(own * 128, own * 128 + 128))
-    assert a.take_state_copies() == [StateCopy(slot=1, row=own * 128 + 124, save=False)]
+    assert a.take_state_copies() == [
+        StateCopy(slot=1, row=own * 128 + 124, save=False, req_idx=r2, position=256)
+    ]
     a.alloc_extend([ExtendSpec(r2, 256, 400)])  # the step reads the shared pages, writes its own
     assert a.pages_of(r2)["full"][:2] == list(hit.full)
     a.free(r2)

@@ -28,14 +28,16 @@ def test_engine_mtp_logits_equal_the_reference() -> None:
         streams = model.model.streams(batch)
         # A ring long enough for the whole prompt: every row's window is then in it, not only the last's.
         window, dim = model.config.sliding_window, model.config.head_dim
-        cache = DraftCache(1, window, len(ids), dim, torch.float32, torch.device("cpu"))
+        shape = (model.config.hc_mult, model.config.hidden_size)
+        cache = DraftCache(1, window, len(ids), dim, torch.float32, torch.device("cpu"), stream_shape=shape)
         drafter = Drafter(model, cache, 1, kernels)
         row = DraftRow("r", 0, 0, 0, ids[1:], draft=False, window_from=0)
         out = drafter._pass([(row, 0, ids[1:])], streams[:-1])
         got = model.compute_logits(drafter.mtp.hidden(out, drafter.kernels), kernels)
         # The engine's ring (k = 1: window + 3 positions) over the same pass: only each row's last
         # positions are written, and the last position, the one that drafts, sees its whole window.
-        small = Drafter(model, DraftCache(1, window, 1, dim, torch.float32, torch.device("cpu")), 1, kernels)
+        ring = DraftCache(1, window, 1, dim, torch.float32, torch.device("cpu"), stream_shape=shape)
+        small = Drafter(model, ring, 1, kernels)
         last = small._pass([(row, 0, ids[1:])], streams[:-1])[-1:]
         last_logits = model.compute_logits(small.mtp.hidden(last, small.kernels), kernels)
     want = mtp_reference_logits(demo, ids)

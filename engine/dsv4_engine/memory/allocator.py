@@ -352,7 +352,7 @@ class Dsv4Allocator(Journaled):
             page = self.pools["c4s"].alloc(1)[0]
             r.c4s = {n // p - 1: page}
             self._map_page(tables["c4s"], req_idx, n // p - 1, page)
-            self.state_copies.restore(hit.slot, page * p + p - SNAPSHOT_ROWS, req_idx)
+            self.state_copies.restore(hit.slot, page * p + p - SNAPSHOT_ROWS, req_idx, n)
         writes = TableWrites()
         writes.add(pool.req_to_token, req_idx, 0, slots(r.full, p, 0, n))
         for ratio, table in ((4, pool.req_to_token_c4), (128, pool.req_to_token_c128)):
@@ -373,7 +373,7 @@ class Dsv4Allocator(Journaled):
         p, snapshot, c4_row = self.page_size, self._snapshot(r, n), None
         if snapshot is not None and "c4s" in snapshot:  # its 4 rows go to a slot, not the whole page
             c4_row = snapshot.pop("c4s")[n // p - 1] * p + p - SNAPSHOT_ROWS
-        self.prefix_cache.insert(tokens, r.full[: n // p], snapshot, c4_row)
+        self.prefix_cache.insert(tokens, r.full[: n // p], snapshot, c4_row, req_idx)
         self._log("cache_prefix", req_idx, list(tokens))
 
     def _snapshot(self, r: ReqPages, n: int) -> Snapshot | None:

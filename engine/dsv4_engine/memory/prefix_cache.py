@@ -117,12 +117,17 @@ class PrefixCache:
         )
 
     def insert(
-        self, tokens: Sequence[int], full: Sequence[int], snapshot: Snapshot | None, c4_row: int | None = None
+        self,
+        tokens: Sequence[int],
+        full: Sequence[int],
+        snapshot: Snapshot | None,
+        c4_row: int | None = None,
+        req_idx: int = 0,
     ) -> None:
         """Cache tokens (page-aligned) with their full pages and, when given, the snapshot at their end:
-        its shared pages, and (c4_row: the state slot of position P-4) a slot the C4 state rows are
-        saved to. Without a free slot after eviction, no snapshot. Pages already cached for the same
-        tokens stay; the caller's duplicates stay the caller's."""
+        its shared pages, and (c4_row: the state slot of position P-4 of request row `req_idx`) a slot
+        the C4 state rows are saved to. Without a free slot after eviction, no snapshot. Pages already
+        cached for the same tokens stay; the caller's duplicates stay the caller's."""
         n = len(tokens) // self.page_size
         if n * self.page_size != len(tokens) or len(full) < n:
             raise ValueError(f"insert needs page-aligned tokens and their pages: {len(tokens)}, {len(full)}")
@@ -143,7 +148,7 @@ class PrefixCache:
                 if not self.slots.num_free:
                     return
                 node.slot = self.slots.alloc(1)[0]
-                self.copies.save(c4_row, node.slot)
+                self.copies.save(c4_row, node.slot, req_idx, len(tokens))
             for fam, pages in snapshot.items():
                 for page in pages.values():
                     self.pools[fam].cache_hold(page)

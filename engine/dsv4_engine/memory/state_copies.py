@@ -27,17 +27,15 @@ SNAPSHOT_ROWS = 4  # the C4 block [P-4, P) a step resuming at P reads (state_rea
 class StateCopy:
     """Rows [row, row + 4) of every ratio-4 layer's C4 state (attention and indexer; `row` is a state
     slot, page * P + offset) to slot `slot` (save=True: taking a snapshot) or back (save=False:
-    resuming from one)."""
+    resuming from one). `req_idx` is the request row the rows come from (save) or go to (restore), and
+    `position` the page boundary P the snapshot resumes at: the model runner copies what else a
+    resume at P reads outside the pools with them (the MTP layer's window, speculative/draft_cache.py)."""
 
     slot: int
     row: int
     save: bool
-
-
-@dataclass(frozen=True)
-class _Queued:
-    copy: StateCopy
-    req_idx: int | None  # a restore's request (it owns the destination page)
+    req_idx: int
+    position: int
 
 
 class StateCopies:
@@ -45,46 +43,46 @@ class StateCopies:
         self.state_pages = state_pages
         self.slots = slots
         self.page_size = page_size
-        self._queued: list[_Queued] = []
+        self._queued: list[StateCopy] = []
 
     def __len__(self) -> int:
         return len(self._queued)
 
-    def save(self, row: int, slot: int) -> None:
+    def save(self, row: int, slot: int, req_idx: int, position: int) -> None:
         """Copy the rows out to a snapshot's slot (after the step that wrote them ran)."""
         self.state_pages.share([row // self.page_size])
-        self._queued.append(_Queued(StateCopy(slot, row, save=True), None))
+        self._queued.append(StateCopy(slot, row, True, req_idx, position))
 
-    def restore(self, slot: int, row: int, req_idx: int) -> None:
+    def restore(self, slot: int, row: int, req_idx: int, position: int) -> None:
         """Copy a slot back into a resumed request's own state page (before its first step reads it)."""
         self.slots.share([slot])
-        self._queued.append(_Queued(StateCopy(slot, row, save=False), req_idx))
+        self._queued.append(StateCopy(slot, row, False, req_idx, position))
 
-    def _release(self, q: _Queued) -> None:
-        if q.copy.save:
-            self.state_pages.free([q.copy.row // self.page_size])
+    def _release(self, c: StateCopy) -> None:
+        if c.save:
+            self.state_pages.free([c.row // self.page_size])
         else:
-            self.slots.free([q.copy.slot])
+            self.slots.free([c.slot])
 
     def cancel_save(self, slot: int) -> None:
         """A snapshot whose save is still queued is dropped: nothing will read its slot, unless a queued
         restore does (it holds the slot), which then still needs the save before it."""
-        if any(not q.copy.save and q.copy.slot == slot for q in self._queued):
+        if any(not c.save and c.slot == slot for c in self._queued):
             return
-        self._cancel([q for q in self._queued if q.copy.save and q.copy.slot == slot])
+        self._cancel([c for c in self._queued if c.save and c.slot == slot])
 
     def cancel_restores(self, req_idx: int) -> None:
         """A request freed before its first step: its page goes back, nothing may write it."""
-        self._cancel([q for q in self._queued if q.req_idx == req_idx])
+        self._cancel([c for c in self._queued if not c.save and c.req_idx == req_idx])
 
-    def _cancel(self, gone: list[_Queued]) -> None:
-        for q in gone:
-            self._queued.remove(q)
-            self._release(q)
+    def _cancel(self, gone: list[StateCopy]) -> None:
+        for c in gone:
+            self._queued.remove(c)
+            self._release(c)
 
     def take(self) -> list[StateCopy]:
         """The queued copies, in order, for the pools to run now (before the forward); their holds go."""
         queued, self._queued = self._queued, []
-        for q in queued:
-            self._release(q)
-        return [q.copy for q in queued]
+        for c in queued:
+            self._release(c)
+        return queued

@@ -77,10 +77,10 @@ async def _start_serving(
         thread = EngineThread()  # builds the engine, then steps it
         try:
             engine = await asyncio.wrap_future(thread.submit(factory))
+            ctx.attach(engine, asyncio.get_running_loop(), thread)
         except BaseException:
-            thread.close()
+            thread.close()  # after the step loop, if attach got to start it
             raise
-        ctx.attach(engine, asyncio.get_running_loop(), thread)
         _stop_when_a_rank_dies(ctx, engine, on_fatal)
         if ctx.settings.disaggregation_mode != "null":
             from dsv4_engine.server import pd

@@ -36,6 +36,9 @@ class DraftRow:
     next_ids: list[int]
     draft: bool
     window_from: int  # the first position whose MTP row the request's ring row holds
+    # Resumed from a prefix-cache snapshot at start + 1: position `start` takes its stream from the
+    # snapshot (`DraftCache.tail`), the rest from rows [lo, lo + len(next_ids) - 1) of the step's.
+    carried: bool = False
 
 
 class Drafter:
@@ -75,14 +78,25 @@ class Drafter:
         hidden = self.mtp.hidden(streams, self.kernels)
         return self.model.compute_logits(hidden, self.kernels).argmax(dim=-1).tolist()
 
-    def propose(self, rows: list[DraftRow], streams: torch.Tensor) -> dict[str, list[int]]:
+    def propose(self, rows: list[DraftRow], streams: torch.Tensor | None) -> dict[str, list[int]]:
         """Fill the MTP rows of every row's positions; k drafts for each row with `draft`. streams:
         the step's last-layer streams `[rows, hc, hidden]`, which the rows index."""
-        if not rows:
+        cache = self.cache
+        cache.held = {}  # only this step's rows: what a snapshot taken after it can keep
+        if not rows or streams is None:
             return {}
-        picked = torch.cat([torch.arange(r.lo, r.lo + len(r.next_ids)) for r in rows]).to(streams.device)
-        out = self._pass([(r, r.start, r.next_ids) for r in rows], streams.index_select(0, picked))
+        source = (
+            torch.cat([streams, cache.tail.to(streams.dtype)]) if any(r.carried for r in rows) else streams
+        )
+        picked = torch.cat([_sources(r, len(streams)) for r in rows]).to(streams.device)
+        inputs = source.index_select(0, picked)
+        out = self._pass([(r, r.start, r.next_ids) for r in rows], inputs)
         ends = torch.tensor([len(r.next_ids) for r in rows]).cumsum(0) - 1
+        idx = torch.tensor([r.req_idx for r in rows], device=streams.device)
+        cache.tail.index_copy_(0, idx, inputs.index_select(0, ends.to(inputs.device)).to(cache.tail.dtype))
+        for r in rows:
+            cache.held[r.req_idx] = (r.window_from, r.start + len(r.next_ids) - 1)
+            cache.resumed.pop(r.req_idx, None)
         drafting = [i for i, r in enumerate(rows) if r.draft]
         if not drafting or self.k == 0:
             return {}
@@ -97,3 +111,9 @@ class Drafter:
             for d, t in zip(drafts, self._argmax(last), strict=True):
                 d.append(t)
         return {r.request_id: d for r, d in zip(chain, drafts, strict=True)}
+
+
+def _sources(row: DraftRow, num_streams: int) -> torch.Tensor:
+    """Where each of row's input streams is in cat([the step's streams, DraftCache.tail])."""
+    rest = torch.arange(row.lo, row.lo + len(row.next_ids) - row.carried)
+    return torch.cat([torch.tensor([num_streams + row.req_idx]), rest]) if row.carried else rest
