@@ -2,7 +2,7 @@
 
     python bench/prefix.py                 # demo model, the default sizes (~4 min on 2 busy cores)
     python bench/prefix.py --quick         # fewer users and turns, one repeat (~1.5 min)
-    python bench/prefix.py --parts engine  # only part 1 (or --parts cluster: only part 2)
+    python bench/prefix.py --parts engine  # only part 1 (--parts cluster: part 2, restart: part 3)
 
 Part 1, engine: two `dsv4 serve` on the same checkpoint with the same engine settings (those of
 examples/cpu-tiny.yaml, which `dsv4 up` uses in part 2), one of them with `--disable-radix-cache`, both up
@@ -33,6 +33,12 @@ counters summed (the decode admits the transferred prompt and is left out), and 
 response carries it. Target: 2-prefill hit rate within 10 points of 1-prefill's. Every request
 carries its conversation's `X-SMG-Routing-Key` (a chat user's, a shared-prompt user's), which
 `--router-policy manual` keeps on one prefill server and the other policies ignore.
+
+Part 3, restart: the chat workload's users send every turn but the last to a `dsv4 serve
+--prefix-cache-dir` (part 1's settings), which is then stopped with SIGTERM and writes its cache to the
+directory; each user's last turn, on the same history, then goes to a server started on that
+directory and to one started without it (what a restart costs without the file). TTFT and hit rate of
+that turn on each, and what the logs say was saved and imported, in how long.
 
 Prints one table per part; writes the raw figures (requests.csv: one row per request; runs.csv: one row
 per run with its /metrics deltas per server), ttft.png (TTFT CDF per workload, cache on against off) and
@@ -347,9 +353,17 @@ class Run:
 
 
 async def run_workload(
-    base: str, wl: Workload, kind: str, a: argparse.Namespace, labels: tuple[str, str, int]
+    base: str,
+    wl: Workload,
+    kind: str,
+    a: argparse.Namespace,
+    labels: tuple[str, str, int],
+    histories: list[list[dict[str, str]]] | None = None,
+    turns: range | None = None,
 ) -> tuple[float, list[Result]]:
+    """chat: `turns` of each user's (default all), on `histories` (default empty; extended in place)."""
     part, config, rep = labels
+    histories = histories if histories is not None else [[] for _ in wl.turns]
     sem = asyncio.Semaphore(a.concurrency)
     results: list[Result] = []
     limits = httpx.Limits(max_connections=a.concurrency + 4)
@@ -368,9 +382,9 @@ async def run_workload(
             results.append(res)
 
         async def chat_user(u: int) -> None:
-            history: list[dict[str, str]] = []
-            for t, msg in enumerate(wl.turns[u]):
-                history.append({"role": "user", "content": msg})
+            history = histories[u]
+            for t in turns if turns is not None else range(len(wl.turns[u])):
+                history.append({"role": "user", "content": wl.turns[u][t]})
                 res = Result(part, config, kind, rep, u, t)
                 async with sem:
                     await chat(client, base, list(history), res, a, t0, key=f"{config}-{rep}-chat-{u}")
@@ -393,9 +407,11 @@ def measure(
     kind: str,
     a: argparse.Namespace,
     labels: tuple[str, str, int],
+    histories: list[list[dict[str, str]]] | None = None,
+    turns: range | None = None,
 ) -> Run:
     before = {name: scrape(url) for name, url in servers.items()}
-    wall, results = asyncio.run(run_workload(base, wl, kind, a, labels))
+    wall, results = asyncio.run(run_workload(base, wl, kind, a, labels, histories, turns))
     after = {name: scrape(url) for name, url in servers.items()}
     metrics = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1]) for n in servers}
     series = ",".join(sorted({after[n][2] for n in servers}))
@@ -684,7 +700,12 @@ def plot(path: Path, runs: Sequence[Run]) -> None:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=DEMO, help="checkpoint folder (default: the bundled demo)")
-    p.add_argument("--parts", nargs="+", choices=("engine", "cluster"), default=["engine", "cluster"])
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=("engine", "cluster", "restart"),
+        default=["engine", "cluster", "restart"],
+    )
     p.add_argument("--system-tokens", type=int, default=2048, help="shared: the system prompt's tokens")
     p.add_argument("--shared-users", type=int, default=32)
     p.add_argument(
@@ -753,6 +774,69 @@ def cluster_part(a: argparse.Namespace, text: Text, procs: Procs, spec: dict[str
     return runs
 
 
+SAVED = re.compile(r"prefix cache: saved (\d+) prefixes to \S+ in ([\d.]+)s")
+IMPORTED = re.compile(r"prefix cache: imported (\d+) of (\d+) prefixes from \S+ in ([\d.]+)s")
+
+
+@dataclass
+class Restart:
+    runs: list[Run]
+    saved: str  # what the draining server's log says it wrote, and the file's size
+    imported: str  # what the restarted server's log says it read
+
+
+def restart_part(a: argparse.Namespace, text: Text, procs: Procs, flags: list[str]) -> Restart:
+    """Part 3: every chat user's turns but the last on a server with --prefix-cache-dir, which then
+    drains (SIGTERM) and writes its cache; then each user's last turn, the same histories, on a server
+    started on that directory and on one started without it (a restart that loses the cache)."""
+    log_dir, cache_dir = a.out_dir / "logs", a.out_dir / "restart-cache"
+    for old in cache_dir.glob("*"):
+        old.unlink()
+    keep = [*flags, "--prefix-cache-dir", str(cache_dir), "--log-level", "info"]
+    wl = make_workload(text, a, "r")
+    histories: list[list[dict[str, str]]] = [[] for _ in wl.turns]
+    before, url = serve(procs, a.model, "restart-before", log_dir, keep)
+    wait_until(healthy(url), [before], a.start_timeout, f"{before.name} to become healthy")
+    warm_up(url, text, a)
+    print(f"restart: turns 1-{a.turns - 1} of {a.chat_users} chat users, then SIGTERM ...", flush=True)
+    asyncio.run(run_workload(url, wl, "chat", a, ("restart", "before", 0), histories, range(a.turns - 1)))
+    procs.stop(before)
+    m = SAVED.search(before.log_path.read_text(errors="replace"))
+    size = sum(f.stat().st_size for f in cache_dir.glob("*.safetensors"))
+    saved = (
+        f"{m[1]} prefixes, {size / 2**20:.1f} MiB, in {float(m[2]):.2f} s" if m else "nothing (see its log)"
+    )
+    runs, imported = [], ""
+    for config, extra in (("saved cache", keep), ("cold", flags)):
+        proc, url = serve(procs, a.model, f"restart-{config.split()[0]}", log_dir, extra)
+        wait_until(healthy(url), [proc], a.start_timeout, f"{proc.name} to become healthy")
+        warm_up(url, text, a)
+        print(f"restart: the last turn of every user on a server started {config} ...", flush=True)
+        copies = [list(h) for h in histories]
+        runs.append(
+            measure(
+                url, {config: url}, wl, "chat", a, ("restart", config, 0), copies, range(a.turns - 1, a.turns)
+            )
+        )
+        if config == "saved cache":
+            m = IMPORTED.search(proc.log_path.read_text(errors="replace"))
+            imported = f"{m[1]} of {m[2]} prefixes in {float(m[3]):.2f} s" if m else "nothing (see its log)"
+        procs.stop(proc)
+    return Restart(runs, saved, imported)
+
+
+def restart_table(r: Restart, a: argparse.Namespace) -> list[str]:
+    on, off = (figures([run]) for run in r.runs)
+    return [
+        row("last turn after the restart", "saved cache", "cold", "cold / saved"),
+        "|---|---:|---:|---:|",
+        row("TTFT p50", ms(on.ttft_p50), ms(off.ttft_p50), ratio(off.ttft_p50, on.ttft_p50)),
+        row("TTFT p90", ms(on.ttft_p90), ms(off.ttft_p90), ratio(off.ttft_p90, on.ttft_p90)),
+        row("hit rate, usage cached_tokens", pct(on.hit_usage), pct(off.hit_usage), ""),
+        row("requests (failed)", f"{on.requests} ({on.failed})", f"{off.requests} ({off.failed})", ""),
+    ]
+
+
 def by_config(runs: Sequence[Run], part: str) -> dict[str, dict[str, Figures]]:
     out: dict[str, dict[str, Figures]] = {}
     for kind in WORKLOADS:
@@ -788,6 +872,9 @@ def main(argv: list[str] | None = None) -> int:
             runs += engine_part(a, text, procs, flags)
         if "cluster" in a.parts:
             runs += cluster_part(a, text, procs, spec)
+        restart = restart_part(a, text, procs, flags) if "restart" in a.parts else None
+    if restart is not None:
+        runs += restart.runs
     write_csv(a.out_dir, runs)
     wl = make_workload(text, a, "e0")
     print(
@@ -806,6 +893,13 @@ def main(argv: list[str] | None = None) -> int:
             f"hit rate = prefill servers' /metrics prefix-cache counters summed\n"
         )
         print("\n".join(cluster_table(by_config(runs, "cluster"))))
+    if restart is not None:
+        print(
+            f"\npart 3, restart: {a.chat_users} chat users' first {a.turns - 1} turns on dsv4 serve "
+            f"--prefix-cache-dir, SIGTERM (saved {restart.saved}), then every user's last turn on a server "
+            f"started on that directory (imported {restart.imported}) and on one started without it\n"
+        )
+        print("\n".join(restart_table(restart, a)))
     series = sorted({run.series for run in runs})
     print(f"\n/metrics series read: {', '.join(series)}; raw figures, plot and logs: {a.out_dir}")
     failed = sum(1 for run in runs for r in run.results if r.error)

@@ -24,6 +24,13 @@ from dsv4_engine.config import Dsv4Config
 from dsv4_engine.device import keep_freed_host_memory
 from dsv4_engine.engine_config import EngineConfig
 from dsv4_engine.memory import Dsv4MemoryLayout, OutOfPages, StateType, dsv4_state_payloads
+from dsv4_engine.memory.prefix_store import (
+    PageWrites,
+    PrefixRecord,
+    export_prefixes,
+    import_prefixes,
+    write_pages,
+)
 from dsv4_engine.memory.sizing import pool_bytes
 from dsv4_engine.options import split as split_options
 from dsv4_engine.parallel.groups import SINGLE, init_groups, rank_device
@@ -361,6 +368,33 @@ class LLMEngine:
     def flush_cache(self) -> None:
         """Empty the prefix cache; what running requests hold stays theirs."""
         self.allocator.flush_cache()
+
+    def export_prefix_cache(self) -> list[PrefixRecord]:
+        """Every prefix the cache can resume at, as the pages a request resuming there reads (for
+        another engine of the same layout: `import_prefix_cache`). Between steps. A parallel server's
+        ranks hold the same pages (its state is replicated), so rank 0's are read."""
+        return export_prefixes(self.allocator, self.kv_pool, self._apply_snapshot_copies)
+
+    def import_prefix_cache(self, records: list[PrefixRecord]) -> int:
+        """Cache what `export_prefix_cache` gave (an engine whose layout fingerprint is this one's,
+        docs/memory.md "Persistent snapshots"), as long as free pages last; returns how many prefixes.
+        Before traffic. On a parallel server every rank writes the same pages: the allocator's
+        changes reach the others through its journal, the contents in a message of their own."""
+        return import_prefixes(
+            self.allocator, self.kv_pool, records, self._apply_snapshot_copies, self._write_pages
+        )
+
+    def _apply_snapshot_copies(self) -> None:
+        drafter = self.runner.drafter
+        if drafter is not None:  # the rows an export or import moves never ran an MTP pass
+            drafter.cache.held.clear()
+        self.runner.apply_state_copies()
+
+    def _write_pages(self, writes: PageWrites) -> None:
+        if self._broadcast is not None:
+            self._broadcast.replay(self.allocator.take_journal())  # the pages are allocated there first
+            self._broadcast.pages(writes)
+        write_pages(self.kv_pool, writes)
 
     def steps_sent(self) -> int:
         """Step messages rank 0 has sent its other ranks (0 on one rank): a rank's PD write of a

@@ -38,6 +38,7 @@ import torch
 from dsv4_engine.config import Dsv4Config
 from dsv4_engine.engine_config import EngineConfig
 from dsv4_engine.memory import Dsv4MemoryLayout, Dsv4TokenToKVPool, PagedMemory, PoolSizes
+from dsv4_engine.memory.prefix_store import PageWrites, write_pages
 from dsv4_engine.model import Dsv4ForCausalLM
 from dsv4_engine.model_runner import ModelRunner, StepPlan
 from dsv4_engine.parallel.groups import SINGLE, Parallel, destroy_groups, init_groups, prewarm, rank_device
@@ -111,14 +112,15 @@ def threads_per_rank(tp_size: int) -> int:
 class Message:
     """What rank 0 broadcasts: a step to run (with the allocator's changes to replay first), the
     allocator's changes alone (before a PD window write: the snapshot copies queued before it read
-    the ring first), the MTP rows to draft after a step (speculative decoding), a PD transfer's MTP
-    window, or stop."""
+    the ring first; before an imported prefix's pages), an imported prefix's page contents, the MTP
+    rows to draft after a step (speculative decoding), a PD transfer's MTP window, or stop."""
 
-    kind: Literal["step", "journal", "draft", "window", "stop"]
+    kind: Literal["step", "journal", "pages", "draft", "window", "stop"]
     journal: list[tuple[str, tuple]] = field(default_factory=list)
     step: StepPlan | None = None
     drafts: list[DraftRow] = field(default_factory=list)
     window: tuple[int, int, torch.Tensor] | None = None  # a PD transfer's MTP rows: row, start, rows
+    pages: PageWrites | None = None  # page contents an imported prefix brings (memory/prefix_store.py)
 
 
 class StepBroadcast:
@@ -137,6 +139,9 @@ class StepBroadcast:
     def replay(self, journal: list[tuple[str, tuple]]) -> None:
         if journal:
             self._send(Message("journal", journal))
+
+    def pages(self, writes: PageWrites) -> None:
+        self._send(Message("pages", pages=writes))
 
     def draft(self, rows: list[DraftRow]) -> None:
         self._send(Message("draft", drafts=rows))
@@ -327,6 +332,9 @@ def follow(rank: Rank, parallel: Parallel, progress: Progress) -> None:
                 continue
             if message.kind == "window" and message.window is not None:
                 runner.write_draft_window(*message.window)
+                continue
+            if message.kind == "pages" and message.pages is not None:
+                write_pages(rank.memory.kv, message.pages)
                 continue
             allocator.replay(message.journal, runner.apply_state_copies)
             if message.step is not None:

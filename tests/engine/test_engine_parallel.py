@@ -138,3 +138,29 @@ def test_speculative_decoding_on_two_ranks() -> None:
         assert m[f"pool_available/{fam}"] == m[f"pool_total/{fam}"], fam
     workers = llm.engine.workers
     assert workers is not None and all(p.exitcode == 0 for p in workers.processes)
+
+
+def test_imported_prefixes_resume_on_two_ranks(checkpoints: dict[str, Path]) -> None:
+    """A prefix cache exported from one rank imports into a 2-rank server: every rank allocates what
+    rank 0 does (the journal) and writes the same pages (a message of their own), so a request resumed
+    from an imported prefix answers as on one rank without the cache."""
+    base = random_ids(300, seed=21)
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+
+    def make(**kwargs: object) -> LLM:
+        return LLM(checkpoints["A"], dtype="float32", max_model_len=1024, max_num_seqs=8, num_pages=64,
+                   chunked_prefill_size=128, **kwargs)  # fmt: skip
+
+    source = make()
+    source.generate([base], params)
+    records = source.engine.export_prefix_cache()
+    question = base[:280] + random_ids(20, seed=22)
+    want = make(disable_radix_cache=True).generate([question], params)[0].token_ids
+    two = make(tp_size=2)
+    try:
+        assert two.engine.import_prefix_cache(records) == len(records) > 0
+        got = two.generate([question], params)[0]
+        assert got.num_cached_tokens == 256 and got.token_ids == want
+        assert two.engine.export_prefix_cache()  # rank 0's pages read back on a parallel server
+    finally:
+        two.close()

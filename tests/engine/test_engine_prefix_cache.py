@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from dsv4_engine.llm import LLM, RequestOutput
+from dsv4_engine.memory.sizing import SLOTS_PER_SNAPSHOT
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.testing import greedy_divergences, random_ids
 
@@ -114,9 +115,10 @@ def test_eviction_under_a_small_pool(make_llm, assert_released):
     alloc = llm.engine.allocator
     cache = alloc.prefix_cache
     assert cache is not None and cache.num_nodes <= 24 < 12 * 4  # 12 prompts offered 4 pages each
-    # One 4-row slot per snapshot (max_num_seqs of them), and no C4 state page held by the cache.
-    assert 0 < cache.num_snapshots <= alloc.snapshot_slots.num_pages == 4
-    assert alloc.snapshot_slots.num_free == 4 - cache.num_snapshots
+    # One 4-row slot per snapshot (SLOTS_PER_SNAPSHOT x max_num_seqs of them), and no C4 state page
+    # held by the cache.
+    assert 0 < cache.num_snapshots <= alloc.snapshot_slots.num_pages == 4 * SLOTS_PER_SNAPSHOT
+    assert alloc.snapshot_slots.num_free == alloc.snapshot_slots.num_pages - cache.num_snapshots
     assert alloc.num_free()["c4s"] == alloc.pools["c4s"].num_pages
     assert llm.engine.metrics()["num_preemptions"] == 0
     assert_released(llm)
@@ -130,3 +132,51 @@ def test_disabled_cache_never_hits(make_llm, assert_released):
     assert llm.engine.allocator.prefix_cache is None
     assert llm.engine.metrics()["prefix_cache_hits"] == 0
     assert_released(llm)
+
+
+@pytest.mark.parametrize(("name", "page"), [("A", 128), ("C", 256)])
+def test_exported_prefixes_resume_on_another_engine(make_llm, assert_released, name, page) -> None:
+    """A chat's turns leave nested snapshots; exported, each record keeps only the pages past the
+    previous one it extends. Another engine (other pool sizes) imports them all and resumes the next
+    turn at the deepest, answering as the cache-off engine does; after /flush_cache its pools are whole.
+    """
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    source = make_llm(name, page_size=page)
+    turn = BASE[:300]
+    for i in range(3):  # three turns of growing history
+        turn = turn + source.generate([turn], params)[0].token_ids + random_ids(150, seed=60 + i)
+    records = source.engine.export_prefix_cache()
+    assert len(records) >= 2
+    assert [r.base for r in records[1:]] == [len(r.tokens) for r in records[:-1]]  # each extends the last
+    deepest = len(records[-1].tokens)
+
+    target = make_llm(name, page_size=page, num_pages=200)
+    assert target.engine.import_prefix_cache(records) == len(records)
+    assert target.engine.import_prefix_cache(records) == 0  # all cached already
+    question = turn + random_ids(30, seed=70)
+    got = target.generate([question], params)[0]
+    want = make_llm(name, page_size=page, disable_radix_cache=True).generate([question], params)[0]
+    assert got.num_cached_tokens == deepest
+    assert got.token_ids == want.token_ids
+    assert_released(target)
+
+
+def test_import_stops_where_free_pages_end(make_llm, assert_released) -> None:
+    """An import never evicts what it imported: with pools for part of the records it caches a prefix
+    of them and stops; a record whose pages do not fit the layout is refused by name."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    source = make_llm("A")
+    source.generate([BASE[:1100]], params)
+    records = source.engine.export_prefix_cache()
+    target = make_llm("A", num_pages=6)
+    done = target.engine.import_prefix_cache(records)
+    assert 0 < done < len(records)
+    assert target.engine.metrics()["prefix_cache_snapshots"] == done
+    assert_released(target)
+
+    first = records[0]
+    damaged = type(first)(first.tokens, first.base, {t: [d[:0] for d in ds] for t, ds in first.pages.items()})
+    fresh = make_llm("A")
+    with pytest.raises(ValueError, match="do not fit this layout"):
+        fresh.engine.import_prefix_cache([damaged])
+    assert_released(fresh)

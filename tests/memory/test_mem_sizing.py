@@ -7,6 +7,7 @@ import torch
 
 from dsv4_engine.memory import Dsv4MemoryLayout, Dsv4TokenToKVPool, StateType, plan_pool_sizes
 from dsv4_engine.memory.sizing import (
+    SLOTS_PER_SNAPSHOT,
     c4_slot_bytes,
     c4_state_page_bytes,
     c128_state_page_bytes,
@@ -43,10 +44,13 @@ def test_budget_is_respected_and_fills_full_pages() -> None:
     assert sizes.swa_pages == 4 * (1 + 2) + 4 + 4  # ceil(32/128) + 2 per request, + 512/128 in flight
     # + a window per snapshot; a snapshot's C4 state is a 4-row slot, not a state page
     assert sizes.c4_state_pages == 4 * 2 + 2 * 4 and sizes.c128_state_pages == 4 * 3 + 2 * 4
-    assert sizes.c4_snapshot_slots == 4 and c4_slot_bytes(layout) * 128 == 4 * c4_state_page_bytes(layout)
+    # SLOTS_PER_SNAPSHOT slots per snapshot the SWA pool keeps room for
+    assert sizes.c4_snapshot_slots == 4 * SLOTS_PER_SNAPSHOT
+    assert c4_slot_bytes(layout) * 128 == 4 * c4_state_page_bytes(layout)
     without = plan_pool_sizes(layout, budget, **kw)  # the slots cost what only a few rows do
     spent = (without.full_pages - sizes.full_pages) * full_page_bytes(layout)
-    assert abs(spent - 4 * (swa_page_bytes(layout) + c4_slot_bytes(layout))) < full_page_bytes(layout)
+    want = 4 * (swa_page_bytes(layout) + SLOTS_PER_SNAPSHOT * c4_slot_bytes(layout))
+    assert abs(spent - want) < full_page_bytes(layout)
 
 
 def test_budget_too_small_names_the_numbers() -> None:

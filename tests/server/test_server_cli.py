@@ -158,6 +158,11 @@ def _no_config(tmp_path: Path) -> list[str]:
     return ["--model", str(tmp_path)]
 
 
+def _a_file(tmp_path: Path) -> str:
+    (tmp_path / "file").write_text("")
+    return str(tmp_path / "file")
+
+
 def _bad_config(tmp_path: Path) -> list[str]:
     (tmp_path / "config.json").write_text("{not json")
     return ["--model", str(tmp_path)]
@@ -179,6 +184,9 @@ def _bad_config(tmp_path: Path) -> list[str]:
         (lambda tmp, ckpt: ["--model", ckpt, "--tp-size", "8"], "--tp-size"),
         (lambda tmp, ckpt: ["--model", ckpt, "--ep-size", "2"], "--ep-size"),
         (lambda tmp, ckpt: ["--model", ckpt, "--chat-template", str(tmp / "none.jinja")], "--chat-template"),
+        (lambda tmp, ckpt: ["--model", ckpt, "--prefix-cache-dir", str(tmp), "--disable-radix-cache"],
+         "--prefix-cache-dir"),
+        (lambda tmp, ckpt: ["--model", ckpt, "--prefix-cache-dir", _a_file(tmp)], "--prefix-cache-dir"),
     ],
 )  # fmt: skip
 def test_serve_refuses_bad_settings_before_binding(

@@ -156,6 +156,19 @@ class PrefixCache:
             node.snapshot_used = now
             self.num_snapshots += 1
 
+    def resumable(self) -> list[tuple[int, ...]]:
+        """The tokens of every prefix a request can resume at (a node with a snapshot), shorter
+        first, so each comes after every resumable prefix of its own."""
+        out = []
+        for node in sorted(self._nodes(), key=lambda n: n.depth):
+            if node.snapshot is not None:
+                keys, n = [], node
+                while n.parent is not None:
+                    keys.append(n.key)
+                    n = n.parent
+                out.append(tuple(t for key in reversed(keys) for t in key))
+        return out
+
     # ---- giving pages back -----------------------------------------------------------------------
     def _drop_snapshot(self, node: _Node) -> None:
         assert node.snapshot is not None

@@ -18,7 +18,7 @@ Four page families share one page size P (a multiple of 128); page 0 of each is 
                        + snapshots * ceil(window / P)
     c4_state_pages   = max_reqs * state_pages_per_req(4)   + 2 * max_prefill_reqs
     c128_state_pages = max_reqs * state_pages_per_req(128) + 2 * max_prefill_reqs
-    c4_slots         = snapshots
+    c4_slots         = SLOTS_PER_SNAPSHOT * snapshots
     full_pages       = floor((budget - swa, state, slot bytes - table bytes) / bytes per full page)
 
 state_pages_per_req(r) = max(2, ceil(1.8 r / P) + 1) is the seed's; a request in chunked prefill can
@@ -26,7 +26,13 @@ briefly hold two more (its previous tail and the new one), hence the prefill sla
 
 `snapshots` is how many prefix-cache snapshots the pools keep room for beyond the running requests'
 share (prefix_cache.py): each holds the SWA pages of one window and one C4 slot, the 4 state rows
-of the block before a page boundary (C128 has none at a multiple of 128).
+of the block before a page boundary (C128 has none at a multiple of 128). There are
+SLOTS_PER_SNAPSHOT times as many slots: a slot is small (0.86 MB on V4-Flash, against 5.6 MB for a
+window of SWA pages), and the SWA pages of the snapshots beyond the reserved ones come from what
+running requests leave free (evicted, least recently used first, when they need it back). A chat
+turn leaves two snapshots (where its prompt leaves the cached history, and its last page
+boundary), so with slots only for `snapshots` a burst of returning conversations (after a restart
+that imported them, docs/memory.md) found most evicted by the first few.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ import torch
 from .layout import Dsv4MemoryLayout
 from .state_copies import SNAPSHOT_ROWS
 from .state_tail import cdiv
+
+SLOTS_PER_SNAPSHOT = 4  # C4 snapshot slots per snapshot the SWA pool keeps room for (above)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -114,7 +122,7 @@ def fixed_pool_sizes(
     swa += snapshots * cdiv(layout.window, p)
     c4s = (max_reqs * state_pages_per_req(4, p) + 2 * prefill_reqs) if layout.c4_layers else 0
     c128s = (max_reqs * state_pages_per_req(128, p) + 2 * prefill_reqs) if layout.c128_layers else 0
-    slots = snapshots if layout.c4_layers else 0
+    slots = SLOTS_PER_SNAPSHOT * snapshots if layout.c4_layers else 0
     return PoolSizes(full_pages, swa, c4s, c128s, slots)
 
 

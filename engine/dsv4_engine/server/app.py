@@ -19,7 +19,14 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from dsv4_engine.server import openai_routes, responses, sglang_routes, test_hooks, tokenizer_routes
+from dsv4_engine.server import (
+    openai_routes,
+    prefix_file,
+    responses,
+    sglang_routes,
+    test_hooks,
+    tokenizer_routes,
+)
 from dsv4_engine.server.args import ServerSettings
 from dsv4_engine.server.bridge import EngineThread
 from dsv4_engine.server.errors import install_handlers
@@ -88,6 +95,8 @@ async def _start_serving(
             await pd.setup(ctx, engine)
         log.info("engine loaded in %.1fs; warming up", time.monotonic() - started)
         await warm_up(ctx)
+        if ctx.settings.prefix_cache_dir is not None:
+            await prefix_file.restore(ctx)
     except asyncio.CancelledError:
         raise
     except BaseException as exc:
@@ -201,6 +210,8 @@ def create_app(
             loader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await loader
+            if settings.prefix_cache_dir is not None and ctx.phase == Phase.DRAINING:
+                await prefix_file.persist(ctx)  # drained: nothing runs, every prefix is whole
             if settings.disaggregation_mode != "null":
                 from dsv4_engine.server import pd
 

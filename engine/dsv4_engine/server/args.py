@@ -49,6 +49,7 @@ class ServerSettings(EngineOptions):
     heartbeat_interval: float = 5.0
     heartbeat_failures: int = 2
     staging_mib: int = 64
+    prefix_cache_dir: str | None = None
     log_level: str = "info"
     chat_template: str | None = None  # a template file, or the template itself (`prompts.py`)
     tool_call_parser: str = TOOL_CALL_PARSERS[0]
@@ -184,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="PD: MiB of registered staging memory; a request whose pages are scattered goes packed "
         "through it as one transfer entry instead of one per page run (decode: a span per request "
         "being received; prefill: one write at a time); 0 writes every page directly",
+    )
+    p.add_argument(
+        "--prefix-cache-dir",
+        help="a directory for the prefix cache's snapshots: written when the server drains, read when "
+        "it starts, so a restarted server, or another of the same checkpoint and memory layout "
+        "sharing the directory, resumes prompts it has seen from the cache (docs/memory.md) (default: "
+        "none: the cache lives and dies with the process)",
     )
     p.add_argument(
         "--chat-template",

@@ -103,6 +103,11 @@ def check(settings: ServerSettings) -> ServerSettings:
         built.scheduler_config(())  # the scheduler's own rules (the step budget holds a page)
     except (ValueError, RuntimeError) as exc:
         raise SettingsError(_flag_in(str(exc)), str(exc)) from exc
+    if settings.prefix_cache_dir is not None:
+        if settings.disable_radix_cache:
+            raise SettingsError("--prefix-cache-dir", "needs the prefix cache (drop --disable-radix-cache)")
+        if Path(settings.prefix_cache_dir).exists() and not Path(settings.prefix_cache_dir).is_dir():
+            raise SettingsError("--prefix-cache-dir", f"{settings.prefix_cache_dir} is not a directory")
     if settings.tp_size > 1:
         from dsv4_engine.parallel.shard import check_sizes
 

@@ -1,0 +1,147 @@
+"""Prefix-cache snapshots as data: export every resumable prefix to tensors, import them into another
+engine's pools (the server writes them to a file at shutdown and reads them at start, behind the layout
+fingerprint: server/prefix_file.py).
+
+A record is what a request resuming at the prefix's end P reads: the pages a PD transfer of a request
+of length P would move (`dsv4_state_payloads`: the full pages of [0, P), the SWA pages of the window
+before P, the C4 state page whose rows [P-4, P) the snapshot keeps). Exporting resumes a scratch
+request row at P, which maps exactly those pages (and restores the snapshot's C4 rows into a state page
+of its own); importing allocates the row as a prefill of [0, P) would, writes the pages, and offers the
+row to the cache, which takes its snapshot as after a prefill. Both go through the allocator's own
+operations, so ownership and counts stay its own.
+
+Prefixes nest (a chat's turns, a system prompt's junction): a record keeps only the pages of positions
+from `base`, the end of the longest earlier record it extends, and is imported after it, resuming there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .allocator import Dsv4Allocator
+from .layout import StateType
+from .out_cache_loc import ExtendSpec
+from .payloads import dsv4_state_payloads
+from .pools import Dsv4TokenToKVPool
+from .state_tail import swa_window_start
+
+# Page contents to write: per state type, the page ids and one `[pages, *page shape]` tensor per buffer.
+PageWrites = dict[StateType, tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class PrefixRecord:
+    """One resumable prefix: its tokens (page-aligned) and, per state type and buffer (layer order,
+    `buffers_by_type`), the pages of its positions from `base` on, `[pages, *page shape]` on CPU."""
+
+    tokens: tuple[int, ...]
+    base: int
+    pages: dict[StateType, list[torch.Tensor]]
+
+
+def _entries(
+    kv: Dsv4TokenToKVPool, alloc: Dsv4Allocator, row: int, n: int
+) -> dict[StateType, list[tuple[int, int]]]:
+    """Per state type, (first position it covers, page) of each page a request of length n in `row`
+    holds, in payload order (sentinel entries dropped)."""
+    p, out = alloc.page_size, {}
+    for state_type, build in dsv4_state_payloads(kv, alloc.req_pool, row, n).items():
+        lo = swa_window_start(n, kv.layout.window, p) if state_type == StateType.SWA else 0
+        out[state_type] = [(lo + j * p, page) for j, page in enumerate(build()) if page]
+    return out
+
+
+def export_prefixes(
+    alloc: Dsv4Allocator, kv: Dsv4TokenToKVPool, apply_copies: Callable[[], None]
+) -> list[PrefixRecord]:
+    """Every prefix the cache can resume at, shorter first. apply_copies runs the allocator's queued
+    state copies on the pools (the model runner's `apply_state_copies`). Needs a free request row and
+    C4 state page (an idle engine has them); prefixes it cannot resume are left out."""
+    cache = alloc.prefix_cache
+    if cache is None:
+        return []
+    buffers = kv.buffers_by_type()
+    records: list[PrefixRecord] = []
+    for tokens in cache.resumable():
+        n = len(tokens)
+        base = max((len(r.tokens) for r in records if tokens[: len(r.tokens)] == r.tokens), default=0)
+        row = alloc.alloc_request()
+        if row is None:
+            break
+        try:
+            if alloc.match_prefix(row, tokens, n).length != n:
+                continue
+            apply_copies()  # the snapshot's C4 rows into the row's own state page
+            pages = {}
+            for state_type, entries in _entries(kv, alloc, row, n).items():
+                ids = torch.tensor([pg for pos, pg in entries if pos >= base], dtype=torch.long)
+                pages[state_type] = [b.index_select(0, ids.to(b.device)).cpu() for b in buffers[state_type]]
+            records.append(PrefixRecord(tokens, base, pages))
+        finally:
+            alloc.free(row)
+    return records
+
+
+def write_pages(kv: Dsv4TokenToKVPool, writes: PageWrites) -> None:
+    buffers = kv.buffers_by_type()
+    for state_type, (ids, data) in writes.items():
+        for b, d in zip(buffers[state_type], data, strict=True):
+            b.index_copy_(0, ids.to(b.device), d.to(b.device, b.dtype))
+
+
+def import_prefixes(
+    alloc: Dsv4Allocator,
+    kv: Dsv4TokenToKVPool,
+    records: Sequence[PrefixRecord],
+    apply_copies: Callable[[], None],
+    write: Callable[[PageWrites], None] | None = None,
+) -> int:
+    """Cache the records' prefixes, in order, as a prefill of each would have; returns how many. A
+    record already cached, or whose base is not (its parent was not imported), is skipped; importing
+    stops when the pools have no free room for the next one (it never evicts). Raises ValueError when a
+    record's pages do not fit this layout (the caller checked the fingerprint; a damaged record).
+    write: puts page contents into the pools (default `write_pages` on kv; a parallel server's also
+    sends them to its other ranks)."""
+    if alloc.prefix_cache is None:
+        return 0
+    write = write if write is not None else lambda w: write_pages(kv, w)
+    buffers = kv.buffers_by_type()
+    done = 0
+    for rec in records:
+        n = len(rec.tokens)
+        row = alloc.alloc_request()
+        if row is None:
+            break
+        try:
+            hit = alloc.match_prefix(row, rec.tokens, n).length
+            if hit >= n or hit < rec.base:
+                continue
+            apply_copies()
+            spec = ExtendSpec(row, hit, n)
+            need, free = alloc.pages_needed([spec]), alloc.num_free()
+            if any(need[f] > free[f] for f in need):
+                break
+            alloc.alloc_extend([spec])
+            writes: PageWrites = {}
+            for state_type, entries in _entries(kv, alloc, row, n).items():
+                own = [(pos, pg) for pos, pg in entries if pos >= rec.base]  # the record's pages, in order
+                data = rec.pages.get(state_type, [])
+                if len(data) != len(buffers[state_type]) or any(len(d) != len(own) for d in data):
+                    raise ValueError(
+                        f"prefix record of {n} tokens: its {state_type.name} pages do not fit this layout"
+                    )
+                # Pages below the hit are the cache's already (the same positions of the same tokens).
+                keep = [i for i, (pos, _) in enumerate(own) if pos >= hit]
+                ids = torch.tensor([own[i][1] for i in keep], dtype=torch.long)
+                rows = torch.tensor(keep, dtype=torch.long)
+                writes[state_type] = (ids, [d.index_select(0, rows) for d in data])
+            write(writes)
+            alloc.cache_prefix(row, rec.tokens)
+            apply_copies()  # the snapshot's C4 rows, out of the row's state page
+            done += 1
+        finally:
+            alloc.free(row)
+    return done
