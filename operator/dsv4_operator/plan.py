@@ -38,6 +38,7 @@ MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/dsv4"
 # Compiled decode steps (torch.compile's artefacts), kept across container restarts.
 COMPILE_CACHE_MOUNT = "/var/cache/dsv4"
+PREFIX_CACHE_MOUNT = "/var/lib/dsv4/prefix-cache"  # spec.engine.prefixCacheVolume, on prefill pods
 PROBE_PERIOD_SECONDS = 10
 ROUTER_COMMAND = ("python3", "-m", "sglang_router.launch_router")
 SERVE_COMMAND = ("dsv4", "serve")
@@ -107,6 +108,14 @@ def model_path(dep: Dsv4Deployment) -> str:
     return model.image.path
 
 
+def prefix_cache_dir(dep: Dsv4Deployment) -> str | None:
+    """Where prefill pods keep their prefix cache across restarts (None: they do not)."""
+    vol = dep.spec.engine.prefix_cache_volume
+    if vol is None:
+        return None
+    return f"{PREFIX_CACHE_MOUNT}/{vol.path}" if vol.path else PREFIX_CACHE_MOUNT
+
+
 def serve_args(
     dep: Dsv4Deployment,
     role: Literal["prefill", "decode"],
@@ -116,8 +125,10 @@ def serve_args(
     port: int,
     bootstrap_port: int,
     metrics_port: int,
+    prefix_cache: str | None = None,
 ) -> list[str]:
-    """Arguments of `dsv4 serve` for one server of `role` (flag names: the engine's contract)."""
+    """Arguments of `dsv4 serve` for one server of `role` (flag names: the engine's contract).
+    prefix_cache: the prefill servers' --prefix-cache-dir (the decode caches nothing)."""
     eng, rs = dep.spec.engine, getattr(dep.spec, role)
     args = [
         "--model", model,
@@ -134,6 +145,7 @@ def serve_args(
         "--grace-period", str(eng.grace_period_seconds),
         *([] if eng.enforce_eager else ["--no-enforce-eager"]),
         *([] if eng.prefix_cache else ["--disable-radix-cache"]),
+        *(["--prefix-cache-dir", prefix_cache] if prefix_cache and role == "prefill" else []),
         # Both roles: the decode drafts, the prefill's MTP layer makes the first step's drafts.
         *(["--speculative-num-steps", str(eng.speculative_num_steps)] if eng.speculative_num_steps else []),
         "--disaggregation-mode", role,
@@ -219,7 +231,7 @@ def plan(
         ports |= {PORT_METRICS: metrics}
         args = serve_args(
             dep, role, model=path, host="0.0.0.0", port=eng.port, bootstrap_port=eng.bootstrap_port,
-            metrics_port=metrics,
+            metrics_port=metrics, prefix_cache=prefix_cache_dir(dep),
         )  # fmt: skip
         roles[role] = RolePlan(
             role=role,

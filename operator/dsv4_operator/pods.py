@@ -9,6 +9,7 @@ from dsv4_operator.plan import (
     COMPILE_CACHE_MOUNT,
     CONFIG_MOUNT,
     MODEL_MOUNT,
+    PREFIX_CACHE_MOUNT,
     PROBE_PERIOD_SECONDS,
     Plan,
     RolePlan,
@@ -139,6 +140,11 @@ def worker_statefulset(dep: Dsv4Deployment, p: Plan, rp: RolePlan, meta: Obj) ->
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
+    if rp.role == "prefill" and eng.prefix_cache_volume is not None:
+        # Written by a draining server, read by a starting one (server/prefix_file.py).
+        claim = {"claimName": eng.prefix_cache_volume.claim_name}
+        volumes.append({"name": "prefix-cache", "persistentVolumeClaim": claim})
+        mounts.append({"name": "prefix-cache", "mountPath": PREFIX_CACHE_MOUNT})
     if not eng.enforce_eager:
         # A pod's emptyDir outlives its container: a restarted engine loads its compiled decode steps
         # instead of compiling them again. torch keys them by graph and version itself.

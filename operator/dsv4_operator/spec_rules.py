@@ -63,6 +63,8 @@ def check(dep: Dsv4Deployment) -> Problems:
         )
     if eng.port == eng.bootstrap_port:
         out.append(("spec.engine.bootstrapPort", f"must differ from engine.port ({eng.port})"))
+    if eng.prefix_cache_volume is not None and not eng.prefix_cache:
+        out.append(("spec.engine.prefixCacheVolume", "keeps the prefix cache: set engine.prefixCache true"))
     allowed = PROTOCOLS[eng.device]
     if eng.transfer_protocol not in allowed:
         out.append(

@@ -116,6 +116,7 @@ class EngineSpec(_Model):
     grace_period_seconds: Annotated[int, Field(ge=0, le=3600)] = 60
     enforce_eager: bool = True
     prefix_cache: bool = True
+    prefix_cache_volume: PvcSource | None = None  # the prefill servers' --prefix-cache-dir
     speculative_num_steps: Annotated[int, Field(ge=0, le=8)] = 0
     env: Annotated[list[EnvVar], Field(max_length=64)] | None = None
 

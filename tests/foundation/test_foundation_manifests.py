@@ -210,6 +210,33 @@ def test_compiled_decode_keeps_its_artefacts_and_the_prefix_cache_can_be_off(wit
             assert env_of(c)["TORCHINDUCTOR_CACHE_DIR"] == f"{mounts['compile-cache']}/inductor"
 
 
+def test_prefix_cache_volume_is_mounted_on_prefill_and_passed_as_its_directory(with_spec: Make) -> None:
+    """engine.prefixCacheVolume: the claim is mounted read-write on prefill pods only (the decode
+    caches nothing) and `dsv4 serve` gets the mount, or the path inside it, as --prefix-cache-dir;
+    without it no pod mounts one or passes the flag."""
+    for path in (None, "dsv4/prefixes"):
+        vol = {"claimName": "prefix-cache-claim", **({"path": path} if path else {})}
+        objs = objects(with_spec(engine={"prefixCacheVolume": vol}))
+        for role in ("prefill", "decode"):
+            sts = find(objs, "StatefulSet", role)
+            c, volumes = container(sts), {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+            mounts = {m["name"]: m for m in c["volumeMounts"]}
+            parsed = serve_parser().parse_args(c["args"])
+            if role == "decode":
+                assert "prefix-cache" not in volumes and parsed.prefix_cache_dir is None
+                continue
+            assert volumes["prefix-cache"] == {
+                "name": "prefix-cache",
+                "persistentVolumeClaim": {"claimName": "prefix-cache-claim"},
+            }
+            mount = mounts["prefix-cache"]
+            assert not mount.get("readOnly")
+            assert parsed.prefix_cache_dir == (f"{mount['mountPath']}/{path}" if path else mount["mountPath"])
+    for role in ("prefill", "decode"):
+        c = container(find(objects(with_spec()), "StatefulSet", role))
+        assert "--prefix-cache-dir" not in c["args"]
+
+
 def test_speculative_decoding_reaches_both_roles(with_spec: Make) -> None:
     """engine.speculativeNumSteps: `--speculative-num-steps N` on prefill (its MTP layer drafts the
     first decode step) and decode, as the real `dsv4 serve` parser reads it; 0 passes nothing."""
