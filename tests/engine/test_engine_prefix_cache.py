@@ -180,3 +180,19 @@ def test_import_stops_where_free_pages_end(make_llm, assert_released) -> None:
     with pytest.raises(ValueError, match="do not fit this layout"):
         fresh.engine.import_prefix_cache([damaged])
     assert_released(fresh)
+
+
+def test_import_stops_where_snapshot_slots_end(make_llm, assert_released) -> None:
+    """Fewer snapshot slots than records: the import caches as many prefixes as there are slots and
+    stops, rather than evicting the snapshots it imported first."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    source = make_llm("A")
+    source.generate([random_ids(600, seed=90 + i) for i in range(4)], params)
+    records = source.engine.export_prefix_cache()
+    target = make_llm("A", max_num_seqs=1)  # SLOTS_PER_SNAPSHOT slots
+    slots = target.engine.allocator.snapshot_slots.num_pages
+    assert len(records) > slots == SLOTS_PER_SNAPSHOT
+    assert target.engine.import_prefix_cache(records) == slots
+    cache = target.engine.allocator.prefix_cache
+    assert cache is not None and sorted(cache.resumable()) == sorted(r.tokens for r in records[:slots])
+    assert_released(target)

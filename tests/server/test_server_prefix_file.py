@@ -70,3 +70,11 @@ def test_a_restarted_server_resumes_from_the_saved_cache(
     assert "written by a server of another layout" in other.log()
     assert "page_size" in other.log()
     assert _chat(other.base, "Name a colour.")[1] == 0
+    other.stop()
+
+    # A damaged file never stops a server from starting: it starts cold and says why.
+    path = cache_dir / "prefix-cache.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+    damaged = serve_process(*args)
+    assert "prefix cache: not loaded, starting cold" in damaged.log()
+    assert _chat(damaged.base, "Name a colour.")[1] == 0

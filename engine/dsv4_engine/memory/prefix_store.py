@@ -101,10 +101,10 @@ def import_prefixes(
 ) -> int:
     """Cache the records' prefixes, in order, as a prefill of each would have; returns how many. A
     record already cached, or whose base is not (its parent was not imported), is skipped; importing
-    stops when the pools have no free room for the next one (it never evicts). Raises ValueError when a
-    record's pages do not fit this layout (the caller checked the fingerprint; a damaged record).
-    write: puts page contents into the pools (default `write_pages` on kv; a parallel server's also
-    sends them to its other ranks)."""
+    stops when the pools have no free pages or snapshot slot for the next one (it never evicts).
+    Raises ValueError when a record's pages do not fit this layout (the caller checked the
+    fingerprint; a damaged record). write: puts page contents into the pools (default `write_pages`
+    on kv; a parallel server's also sends them to its other ranks)."""
     if alloc.prefix_cache is None:
         return 0
     write = write if write is not None else lambda w: write_pages(kv, w)
@@ -122,8 +122,9 @@ def import_prefixes(
             apply_copies()
             spec = ExtendSpec(row, hit, n)
             need, free = alloc.pages_needed([spec]), alloc.num_free()
-            if any(need[f] > free[f] for f in need):
-                break
+            slots = alloc.snapshot_slots
+            if any(need[f] > free[f] for f in need) or (slots.num_pages and not slots.num_free):
+                break  # a snapshot would take a slot from an earlier one
             alloc.alloc_extend([spec])
             writes: PageWrites = {}
             for state_type, entries in _entries(kv, alloc, row, n).items():

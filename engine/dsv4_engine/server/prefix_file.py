@@ -40,7 +40,9 @@ def write(path: Path, records: list[PrefixRecord], fingerprint: dict[str, Any]) 
         for state_type, buffers in rec.pages.items()
         for b, data in enumerate(buffers)
     }
-    index = [{"tokens": list(r.tokens), "base": r.base, "buffers": _buffer_counts(r)} for r in records]
+    # Token ids as tensors: the header (JSON, at most 100 MB) would not hold a large cache's.
+    tensors |= {f"{i}.tokens": torch.tensor(rec.tokens, dtype=torch.int64) for i, rec in enumerate(records)}
+    index = [{"base": r.base, "buffers": _buffer_counts(r)} for r in records]
     meta = {"fingerprint": json.dumps(fingerprint), "records": json.dumps(index)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -73,7 +75,8 @@ def read(path: Path, fingerprint: dict[str, Any]) -> list[PrefixRecord]:
             pages: dict[StateType, list[torch.Tensor]] = {}
             for name, count in entry["buffers"].items():
                 pages[StateType[name]] = [f.get_tensor(f"{i}.{name}.{b}") for b in range(count)]
-            records.append(PrefixRecord(tuple(entry["tokens"]), int(entry["base"]), pages))
+            tokens = tuple(f.get_tensor(f"{i}.tokens").tolist())
+            records.append(PrefixRecord(tokens, int(entry["base"]), pages))
     return records
 
 
@@ -100,9 +103,13 @@ async def restore(ctx: ServerContext) -> None:
     started = time.monotonic()
     try:
         records = await asyncio.to_thread(read, path, ctx.prefix_fingerprint)
-        done = await ctx.bridge.run(lambda engine: engine.import_prefix_cache(records))
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # unreadable, truncated, not safetensors, another layout: start cold
         log.warning("prefix cache: not loaded, starting cold: %s", exc)
+        return
+    try:
+        done = await ctx.bridge.run(lambda engine: engine.import_prefix_cache(records))
+    except ValueError as exc:  # a damaged record; the ones before it are cached
+        log.warning("prefix cache: import stopped: %s", exc)
         return
     log.info(
         "prefix cache: imported %d of %d prefixes from %s in %.2fs",
