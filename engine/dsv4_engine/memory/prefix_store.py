@@ -124,7 +124,7 @@ def import_prefixes(
             need, free = alloc.pages_needed([spec]), alloc.num_free()
             slots = alloc.snapshot_slots
             if any(need[f] > free[f] for f in need) or (slots.num_pages and not slots.num_free):
-                break  # a snapshot would take a slot from an earlier one
+                break  # no room without evicting what came before
             alloc.alloc_extend([spec])
             writes: PageWrites = {}
             for state_type, entries in _entries(kv, alloc, row, n).items():
