@@ -373,22 +373,29 @@ class LLMEngine:
         """Every prefix the cache can resume at, as the pages a request resuming there reads (for
         another engine of the same layout: `import_prefix_cache`). Between steps. A parallel server's
         ranks hold the same pages (its state is replicated), so rank 0's are read."""
-        return export_prefixes(self.allocator, self.kv_pool, self._apply_snapshot_copies)
+        drafter = self.runner.drafter
+        read = drafter.cache.export_window if drafter is not None else None
+        return export_prefixes(self.allocator, self.kv_pool, self.runner.apply_state_copies, read)
 
     def import_prefix_cache(self, records: list[PrefixRecord]) -> int:
         """Cache what `export_prefix_cache` gave (an engine whose layout fingerprint is this one's,
         docs/memory.md "Persistent snapshots"), as long as free pages last; returns how many prefixes.
         Before traffic. On a parallel server every rank writes the same pages: the allocator's
         changes reach the others through its journal, the contents in a message of their own."""
+        write_extra = self._write_draft_window if self.runner.drafter is not None else None
         return import_prefixes(
-            self.allocator, self.kv_pool, records, self._apply_snapshot_copies, self._write_pages
-        )
+            self.allocator, self.kv_pool, records, self.runner.apply_state_copies, self._write_pages,
+            write_extra,
+        )  # fmt: skip
 
-    def _apply_snapshot_copies(self) -> None:
-        drafter = self.runner.drafter
-        if drafter is not None:  # the rows an export or import moves never ran an MTP pass
-            drafter.cache.held.clear()
-        self.runner.apply_state_copies()
+    def _write_draft_window(self, row: int, n: int, window: dict[str, torch.Tensor]) -> None:
+        """An imported prefix's MTP window (none: {}) into the row, on every rank, before the
+        snapshot that keeps it is taken."""
+        assert self.runner.drafter is not None
+        if self._broadcast is not None:
+            self._broadcast.replay(self.allocator.take_journal())
+            self._broadcast.prefix_window(row, n, window)
+        self.runner.drafter.cache.import_window(row, n, window)
 
     def _write_pages(self, writes: PageWrites) -> None:
         if self._broadcast is not None:

@@ -135,11 +135,9 @@ class ModelRunner:
         self._decode_runner: DecodeGraphRunner | None = None  # built on first use
         self.drafter: Drafter | None = None
         if num_draft_tokens:
-            rows = allocator.req_pool.req_to_token.shape[0]
-            dim = model.config.head_dim
-            cfg = model.config
+            rows, cfg = allocator.req_pool.req_to_token.shape[0], model.config
             cache = DraftCache(
-                rows, cfg.sliding_window, num_draft_tokens, dim, model.dtype, self.device,
+                rows, cfg.sliding_window, num_draft_tokens, cfg.head_dim, model.dtype, self.device,
                 stream_shape=(cfg.hc_mult, cfg.hidden_size),
                 snapshot_slots=allocator.snapshot_slots.num_pages,
             )  # fmt: skip

@@ -112,15 +112,17 @@ def threads_per_rank(tp_size: int) -> int:
 class Message:
     """What rank 0 broadcasts: a step to run (with the allocator's changes to replay first), the
     allocator's changes alone (before a PD window write: the snapshot copies queued before it read
-    the ring first; before an imported prefix's pages), an imported prefix's page contents, the MTP
-    rows to draft after a step (speculative decoding), a PD transfer's MTP window, or stop."""
+    the ring first; before an imported prefix's pages), an imported prefix's page contents and MTP
+    window, the MTP rows to draft after a step (speculative decoding), a PD transfer's MTP window, or
+    stop."""
 
-    kind: Literal["step", "journal", "pages", "draft", "window", "stop"]
+    kind: Literal["step", "journal", "pages", "prefix_window", "draft", "window", "stop"]
     journal: list[tuple[str, tuple]] = field(default_factory=list)
     step: StepPlan | None = None
     drafts: list[DraftRow] = field(default_factory=list)
     window: tuple[int, int, torch.Tensor] | None = None  # a PD transfer's MTP rows: row, start, rows
     pages: PageWrites | None = None  # page contents an imported prefix brings (memory/prefix_store.py)
+    prefix_window: tuple[int, int, dict[str, torch.Tensor]] | None = None  # and its MTP window
 
 
 class StepBroadcast:
@@ -142,6 +144,9 @@ class StepBroadcast:
 
     def pages(self, writes: PageWrites) -> None:
         self._send(Message("pages", pages=writes))
+
+    def prefix_window(self, row: int, n: int, window: dict[str, torch.Tensor]) -> None:
+        self._send(Message("prefix_window", prefix_window=(row, n, window)))
 
     def draft(self, rows: list[DraftRow]) -> None:
         self._send(Message("draft", drafts=rows))
@@ -335,6 +340,10 @@ def follow(rank: Rank, parallel: Parallel, progress: Progress) -> None:
                 continue
             if message.kind == "pages" and message.pages is not None:
                 write_pages(rank.memory.kv, message.pages)
+                continue
+            if message.kind == "prefix_window" and message.prefix_window is not None:
+                assert runner.drafter is not None
+                runner.drafter.cache.import_window(*message.prefix_window)
                 continue
             allocator.replay(message.journal, runner.apply_state_copies)
             if message.step is not None:

@@ -164,3 +164,33 @@ def test_imported_prefixes_resume_on_two_ranks(checkpoints: dict[str, Path]) -> 
         assert two.engine.export_prefix_cache()  # rank 0's pages read back on a parallel server
     finally:
         two.close()
+
+
+def test_imported_prefixes_keep_their_draft_window_on_two_ranks(checkpoints: dict[str, Path]) -> None:
+    """Imported with speculation on, every rank puts the prefix's MTP window into its ring (a message
+    of its own), so a request resumed from it with 3 more prompt tokens, fewer than the window,
+    proposes on two ranks the drafts it proposes on one."""
+    base = random_ids(256, seed=51)
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+
+    def make(**kwargs: object) -> LLM:
+        return LLM(checkpoints["A"], dtype="float32", max_model_len=1024, max_num_seqs=8, num_pages=64,
+                   chunked_prefill_size=256, speculative_num_steps=2, **kwargs)  # fmt: skip
+
+    source = make()
+    source.generate([base + random_ids(5, seed=52)], params)
+    records = source.engine.export_prefix_cache()
+
+    def run(**kwargs: object) -> tuple[list[int], list[list[int]]]:
+        llm = make(**kwargs)
+        try:
+            assert llm.engine.import_prefix_cache(records) == len(records)
+            drafts, _ = record_drafts(llm)
+            out = llm.generate([base + random_ids(3, seed=53)], params)[0]
+            assert out.num_cached_tokens == 256
+            return out.token_ids, drafts
+        finally:
+            llm.close()
+
+    one, two = run(), run(tp_size=2)
+    assert len(one[1]) >= TOKENS // 2 and two == one

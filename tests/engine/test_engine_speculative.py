@@ -215,6 +215,34 @@ def test_a_resumed_request_drafts_as_if_it_had_prefilled_its_prefix(mtp_checkpoi
     assert got == want
 
 
+def test_an_imported_prefix_keeps_its_draft_window(mtp_checkpoints, assert_released, tmp_path) -> None:
+    """Exported, written to a prefix-cache file and imported into another engine (`dsv4 serve
+    --prefix-cache-dir`), a snapshot keeps its MTP window: a request resumed from it proposes the
+    drafts of the cache-off engine."""
+    from dsv4_engine.server import prefix_file
+
+    base = random_ids(256, seed=51)
+    kw = {"speculative_num_steps": 2, "chunked_prefill_size": 256}
+    source = _llm(mtp_checkpoints["A"], disable_radix_cache=False, **kw)
+    source.generate([base + random_ids(5, seed=52)], GREEDY)
+    exported = source.engine.export_prefix_cache()
+    assert any(r.extra for r in exported)
+    prefix_file.write(tmp_path / prefix_file.FILE_NAME, exported, {"version": 1})
+    records = prefix_file.read(tmp_path / prefix_file.FILE_NAME, {"version": 1})
+    target = _llm(mtp_checkpoints["A"], disable_radix_cache=False, **kw)
+    assert target.engine.import_prefix_cache(records) == len(records)
+    got, rows = record_drafts(target)
+    resumed = target.generate([base + random_ids(3, seed=53)], GREEDY)[0]
+    assert resumed.num_cached_tokens == 256
+    assert [r.start for r in rows if r.carried] == [255]
+    assert_released(target)
+
+    plain = _llm(mtp_checkpoints["A"], **kw)
+    want, _ = record_drafts(plain)
+    assert plain.generate([base + random_ids(3, seed=53)], GREEDY)[0].token_ids == resumed.token_ids
+    assert got == want
+
+
 # What the sampler applies beyond temperature/top-k/top-p, each on its own request: kept drafts must
 # be what one-token steps would sample after the drafts before them.
 PROCESSED = [

@@ -78,3 +78,39 @@ def test_a_restarted_server_resumes_from_the_saved_cache(
     damaged = serve_process(*args)
     assert "prefix cache: not loaded, starting cold" in damaged.log()
     assert _chat(damaged.base, "Name a colour.")[1] == 0
+
+
+def test_the_file_keeps_every_record_field(tmp_path: Path) -> None:
+    """write then read: tokens, base, every state type's buffers (empty ones too) and the extra
+    tensors (the MTP window) come back equal; another fingerprint is refused naming the field."""
+    import pytest
+    import torch
+
+    from dsv4_engine.memory import StateType
+    from dsv4_engine.memory.prefix_store import PrefixRecord
+    from dsv4_engine.server import prefix_file
+
+    def pages() -> dict[StateType, list[torch.Tensor]]:
+        return {
+            StateType.SWA: [torch.randn(2, 4, 8).to(torch.bfloat16), torch.randn(2, 4, 8)],
+            StateType.C128_STATE: [torch.zeros(0, 4, 16)],
+        }
+
+    extra = {"mtp_from": torch.tensor(3), "mtp_rows": torch.randn(7, 8), "mtp_tail": torch.randn(2, 8)}
+    records = [PrefixRecord((1, 2, 3, 4), 0, pages(), extra), PrefixRecord((1, 2, 3, 4, 5, 6), 4, pages())]
+    path = tmp_path / prefix_file.FILE_NAME
+    fingerprint = {"version": 1, "page_size": 4}
+    prefix_file.write(path, records, fingerprint)
+    back = prefix_file.read(path, fingerprint)
+    assert [(r.tokens, r.base, sorted(r.extra)) for r in back] == [
+        (r.tokens, r.base, sorted(r.extra)) for r in records
+    ]
+    for got, want in zip(back, records, strict=True):
+        assert got.pages.keys() == want.pages.keys()
+        for t in want.pages:
+            for a, b in zip(got.pages[t], want.pages[t], strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+        for k in want.extra:
+            assert torch.equal(got.extra[k], want.extra[k])
+    with pytest.raises(ValueError, match="page_size"):
+        prefix_file.read(path, {"version": 1, "page_size": 8})

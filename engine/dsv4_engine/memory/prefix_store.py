@@ -17,7 +17,7 @@ from `base`, the end of the longest earlier record it extends, and is imported a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,11 +35,20 @@ PageWrites = dict[StateType, tuple[torch.Tensor, list[torch.Tensor]]]
 @dataclass(frozen=True)
 class PrefixRecord:
     """One resumable prefix: its tokens (page-aligned) and, per state type and buffer (layer order,
-    `buffers_by_type`), the pages of its positions from `base` on, `[pages, *page shape]` on CPU."""
+    `buffers_by_type`), the pages of its positions from `base` on, `[pages, *page shape]` on CPU.
+    extra: what else a resume at its end reads, kept outside the pools (the MTP layer's window,
+    speculative/draft_cache.py), by name."""
 
     tokens: tuple[int, ...]
     base: int
     pages: dict[StateType, list[torch.Tensor]]
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+# (request row, prefix length) -> the extra a row resumed there holds; and its inverse, which puts
+# one into a row before the row's snapshot is taken.
+ReadExtra = Callable[[int, int], dict[str, torch.Tensor]]
+WriteExtra = Callable[[int, int, dict[str, torch.Tensor]], None]
 
 
 def _entries(
@@ -55,11 +64,15 @@ def _entries(
 
 
 def export_prefixes(
-    alloc: Dsv4Allocator, kv: Dsv4TokenToKVPool, apply_copies: Callable[[], None]
+    alloc: Dsv4Allocator,
+    kv: Dsv4TokenToKVPool,
+    apply_copies: Callable[[], None],
+    read_extra: ReadExtra | None = None,
 ) -> list[PrefixRecord]:
     """Every prefix the cache can resume at, shorter first. apply_copies runs the allocator's queued
-    state copies on the pools (the model runner's `apply_state_copies`). Needs a free request row and
-    C4 state page (an idle engine has them); prefixes it cannot resume are left out."""
+    state copies on the pools (the model runner's `apply_state_copies`); read_extra reads what else the
+    resumed scratch row holds. Needs a free request row and C4 state page (an idle engine has them);
+    prefixes it cannot resume are left out."""
     cache = alloc.prefix_cache
     if cache is None:
         return []
@@ -79,7 +92,8 @@ def export_prefixes(
             for state_type, entries in _entries(kv, alloc, row, n).items():
                 ids = torch.tensor([pg for pos, pg in entries if pos >= base], dtype=torch.long)
                 pages[state_type] = [b.index_select(0, ids.to(b.device)).cpu() for b in buffers[state_type]]
-            records.append(PrefixRecord(tokens, base, pages))
+            extra = read_extra(row, n) if read_extra is not None else {}
+            records.append(PrefixRecord(tokens, base, pages, extra))
         finally:
             alloc.free(row)
     return records
@@ -98,13 +112,15 @@ def import_prefixes(
     records: Sequence[PrefixRecord],
     apply_copies: Callable[[], None],
     write: Callable[[PageWrites], None] | None = None,
+    write_extra: WriteExtra | None = None,
 ) -> int:
     """Cache the records' prefixes, in order, as a prefill of each would have; returns how many. A
     record already cached, or whose base is not (its parent was not imported), is skipped; importing
     stops when the pools have no free pages or snapshot slot for the next one (it never evicts).
     Raises ValueError when a record's pages do not fit this layout (the caller checked the
     fingerprint; a damaged record). write: puts page contents into the pools (default `write_pages`
-    on kv; a parallel server's also sends them to its other ranks)."""
+    on kv; a parallel server's also sends them to its other ranks); write_extra: a record's extra into
+    the row, before the cache takes the row's snapshot."""
     if alloc.prefix_cache is None:
         return 0
     write = write if write is not None else lambda w: write_pages(kv, w)
@@ -140,6 +156,8 @@ def import_prefixes(
                 rows = torch.tensor(keep, dtype=torch.long)
                 writes[state_type] = (ids, [d.index_select(0, rows) for d in data])
             write(writes)
+            if write_extra is not None:
+                write_extra(row, n, rec.extra)
             alloc.cache_prefix(row, rec.tokens)
             apply_copies()  # the snapshot's C4 rows, out of the row's state page
             done += 1

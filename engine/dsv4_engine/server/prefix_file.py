@@ -42,7 +42,10 @@ def write(path: Path, records: list[PrefixRecord], fingerprint: dict[str, Any]) 
     }
     # Token ids as tensors: the header (JSON, at most 100 MB) would not hold a large cache's.
     tensors |= {f"{i}.tokens": torch.tensor(rec.tokens, dtype=torch.int64) for i, rec in enumerate(records)}
-    index = [{"base": r.base, "buffers": _buffer_counts(r)} for r in records]
+    tensors |= {
+        f"{i}.extra.{k}": t.contiguous() for i, rec in enumerate(records) for k, t in rec.extra.items()
+    }
+    index = [{"base": r.base, "buffers": _buffer_counts(r), "extra": sorted(r.extra)} for r in records]
     meta = {"fingerprint": json.dumps(fingerprint), "records": json.dumps(index)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -76,7 +79,8 @@ def read(path: Path, fingerprint: dict[str, Any]) -> list[PrefixRecord]:
             for name, count in entry["buffers"].items():
                 pages[StateType[name]] = [f.get_tensor(f"{i}.{name}.{b}") for b in range(count)]
             tokens = tuple(f.get_tensor(f"{i}.tokens").tolist())
-            records.append(PrefixRecord(tokens, int(entry["base"]), pages))
+            extra = {k: f.get_tensor(f"{i}.extra.{k}") for k in entry.get("extra", [])}
+            records.append(PrefixRecord(tokens, int(entry["base"]), pages, extra))
     return records
 
 

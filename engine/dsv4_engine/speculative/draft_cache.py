@@ -87,7 +87,7 @@ class DraftCache:
             p = c.position
             slots = self._slots(c.req_idx, torch.arange(p - self.window, p - 1)).to(self.device)
             if c.save:
-                first, last = self.held.get(c.req_idx, (p, -1))
+                first, last = self.held.pop(c.req_idx, (p, -1))
                 self.snap_from[c.slot] = max(first, p - self.window, 0) if last == p - 1 else None
                 self.snap_kv[c.slot] = self.kv.index_select(0, slots)
                 self.snap_tail[c.slot] = self.tail[c.req_idx]
@@ -99,6 +99,29 @@ class DraftCache:
             self.kv.index_copy_(0, slots, self.snap_kv[c.slot])
             self.tail[c.req_idx] = self.snap_tail[c.slot]
             self.resumed[c.req_idx] = (p, first)
+
+    def export_window(self, row: int, n: int) -> dict[str, torch.Tensor]:
+        """What a snapshot at n restored into `row` holds (none: {}), for a prefix-cache file
+        (memory/prefix_store.py): the first valid position, the rows of [n - window, n - 1), the
+        stream at n - 1."""
+        resumed = self.resumed.get(row)
+        if resumed is None or resumed[0] != n:
+            return {}
+        return {
+            "mtp_from": torch.tensor(resumed[1]),
+            "mtp_rows": self.read(row, n - self.window, n - 1).cpu(),
+            "mtp_tail": self.tail[row].to("cpu", copy=True),  # not a view of the live buffer
+        }
+
+    def import_window(self, row: int, n: int, window: dict[str, torch.Tensor]) -> None:
+        """Put an exported window into `row` as if its last pass had ended at n - 1, so the snapshot
+        the row is about to give the cache at n keeps it; {} leaves none to keep."""
+        self.held.pop(row, None)
+        if not window:
+            return
+        self.write(row, n - self.window, window["mtp_rows"])
+        self.tail[row] = window["mtp_tail"].to(self.tail.device, self.tail.dtype)
+        self.held[row] = (int(window["mtp_from"]), n - 1)
 
     def slots(self, tokens: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For tokens (request row, the first position the row holds for its request, position), in
