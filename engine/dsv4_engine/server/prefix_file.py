@@ -49,8 +49,11 @@ def write(path: Path, records: list[PrefixRecord], fingerprint: dict[str, Any]) 
     meta = {"fingerprint": json.dumps(fingerprint), "records": json.dumps(index)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
 
 
 def _buffer_counts(rec: PrefixRecord) -> dict[str, int]:
@@ -130,8 +133,10 @@ async def persist(ctx: ServerContext) -> None:
     started = time.monotonic()
     try:
         records = await ctx.bridge.run(lambda engine: engine.export_prefix_cache())
-        if records:
-            await asyncio.to_thread(write, path, records, ctx.prefix_fingerprint)
+        if not records:
+            log.info("prefix cache: empty, %s left as it is", path)
+            return
+        await asyncio.to_thread(write, path, records, ctx.prefix_fingerprint)
     except (OSError, ValueError, RuntimeError) as exc:
         log.warning("prefix cache: not saved: %s", exc)
         return
