@@ -59,6 +59,8 @@ def test_a_restarted_server_resumes_from_the_saved_cache(
     second = serve_process(*args, "--num-pages", "96")
     imported = re.search(r"prefix cache: imported (\d+) of (\d+) prefixes", second.log())
     assert imported is not None and imported[1] == imported[2] != "0", second.log()[-2000:]
+    metrics = httpx.get(f"{second.base}/metrics", timeout=30).text
+    assert re.search(rf"^dsv4_prefix_cache_imported_prefixes {imported[1]}(\.0)?$", metrics, re.M)
     again, resumed = _chat(second.base, "Name a colour.")
     assert again == answer
     assert resumed >= cached  # the saved cache holds this very prompt's last boundary too
@@ -69,6 +71,7 @@ def test_a_restarted_server_resumes_from_the_saved_cache(
     other = serve_process(*args, "--page-size", "256")
     assert "written by a server of another layout" in other.log()
     assert "page_size" in other.log()
+    assert "dsv4_prefix_cache_imported_prefixes 0.0" in httpx.get(f"{other.base}/metrics", timeout=30).text
     assert _chat(other.base, "Name a colour.")[1] == 0
     other.stop()
 

@@ -349,6 +349,12 @@ class ServerMetrics:
         self.inflight = Gauge(
             f"{PREFIX}_requests_in_flight", "Requests admitted and not yet finished.", registry=r
         )
+        self.prefix_imported = Gauge(
+            f"{PREFIX}_prefix_cache_imported_prefixes",
+            "Prefixes imported from --prefix-cache-dir at start (0: none, or the file was refused: "
+            "its log line says why).",
+            registry=r,
+        )
         r.register(_EngineCollector(engine_snapshot))
         r.register(_VllmCollector(self, engine_snapshot))
 

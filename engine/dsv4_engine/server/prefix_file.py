@@ -118,6 +118,7 @@ async def restore(ctx: ServerContext) -> None:
     except ValueError as exc:  # a damaged record; the ones before it are cached
         log.warning("prefix cache: import stopped: %s", exc)
         return
+    ctx.metrics.prefix_imported.set(done)
     log.info(
         "prefix cache: imported %d of %d prefixes from %s in %.2fs",
         done, len(records), path, time.monotonic() - started,
