@@ -39,6 +39,8 @@ CONFIG_MOUNT = "/etc/dsv4"
 # Compiled decode steps (torch.compile's artefacts), kept across container restarts.
 COMPILE_CACHE_MOUNT = "/var/cache/dsv4"
 PREFIX_CACHE_MOUNT = "/var/lib/dsv4/prefix-cache"  # spec.engine.prefixCacheVolume, on prefill pods
+DRAIN_MARGIN_SECONDS = 30  # a server's exit after its drain's grace period
+PREFIX_CACHE_WRITE_SECONDS = 120  # a prefill server writing its prefix cache to the volume, after the drain
 PROBE_PERIOD_SECONDS = 10
 ROUTER_COMMAND = ("python3", "-m", "sglang_router.launch_router")
 SERVE_COMMAND = ("dsv4", "serve")
@@ -106,6 +108,14 @@ def model_path(dep: Dsv4Deployment) -> str:
         return MODEL_MOUNT
     assert model.image is not None  # parse() guarantees exactly one source
     return model.image.path
+
+
+def stop_seconds(dep: Dsv4Deployment, role: Literal["prefill", "decode"]) -> int:
+    """How long a server of `role` may take to stop after SIGTERM: the drain's grace period, then its
+    exit, and where a prefill server keeps its prefix cache on a volume, the writing of it."""
+    eng = dep.spec.engine
+    keeps = role == "prefill" and eng.prefix_cache_volume is not None
+    return eng.grace_period_seconds + DRAIN_MARGIN_SECONDS + (PREFIX_CACHE_WRITE_SECONDS if keeps else 0)
 
 
 def prefix_cache_dir(dep: Dsv4Deployment) -> str | None:

@@ -13,6 +13,7 @@ from dsv4_operator.plan import (
     PROBE_PERIOD_SECONDS,
     Plan,
     RolePlan,
+    stop_seconds,
 )
 from dsv4_operator.spec import Dsv4Deployment, Resources, RoleSpec, RouterSpec
 
@@ -177,7 +178,7 @@ def worker_statefulset(dep: Dsv4Deployment, p: Plan, rp: RolePlan, meta: Obj) ->
     pod_spec: Obj = {
         "automountServiceAccountToken": False,  # servers never talk to the API
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": eng.grace_period_seconds + 30,
+        "terminationGracePeriodSeconds": stop_seconds(dep, rp.role),
         # The driver's devices and files belong to HwHiAiUser's group on the node.
         "securityContext": _pod_security(dep, [asc.driver_group_id] if ascend else None),
         # In the node's namespace the pod still resolves cluster names (ClusterFirst alone would not).

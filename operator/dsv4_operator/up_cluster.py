@@ -16,12 +16,12 @@ from types import FrameType
 from typing import Any
 
 from dsv4_operator import local as lc
+from dsv4_operator.plan import DRAIN_MARGIN_SECONDS  # beyond the grace period, as in the pods
 from dsv4_operator.spec import Dsv4Deployment
 from dsv4_operator.up_process import Child, load_libc, router_state, server_state
 
 EXIT_FAILED = 1
 POLL_SECONDS = 0.2  # how often process states are looked at (a supervisor's poll, not a test's sleep)
-DRAIN_MARGIN_SECONDS = 30  # beyond the grace period, as the pods' terminationGracePeriodSeconds
 ROUTER_STOP_SECONDS = 10
 # A clean stop: dsv4 serve exits 0 after draining; a process still importing dies of the signal.
 CLEAN_EXITS = (0, -signal.SIGTERM)

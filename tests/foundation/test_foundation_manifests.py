@@ -231,6 +231,10 @@ def test_prefix_cache_volume_is_mounted_on_prefill_and_passed_as_its_directory(w
             }
             mount = mounts["prefix-cache"]
             assert not mount.get("readOnly")
+            # The pod's grace covers writing the cache after the drain's grace period.
+            decode = find(objs, "StatefulSet", "decode")["spec"]["template"]["spec"]
+            grace = sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            assert grace >= decode["terminationGracePeriodSeconds"] + 60
             assert parsed.prefix_cache_dir == (f"{mount['mountPath']}/{path}" if path else mount["mountPath"])
     for role in ("prefill", "decode"):
         c = container(find(objects(with_spec()), "StatefulSet", role))
