@@ -156,18 +156,28 @@ class PrefixCache:
             node.snapshot_used = now
             self.num_snapshots += 1
 
-    def resumable(self) -> list[tuple[int, ...]]:
-        """The tokens of every prefix a request can resume at (a node with a snapshot), shorter
-        first, so each comes after every resumable prefix of its own."""
-        out = []
-        for node in sorted(self._nodes(), key=lambda n: n.depth):
-            if node.snapshot is not None:
-                keys, n = [], node
-                while n.parent is not None:
-                    keys.append(n.key)
-                    n = n.parent
-                out.append(tuple(t for key in reversed(keys) for t in key))
+    def resumable(self) -> list[tuple[tuple[int, ...], int]]:
+        """Every prefix a request can resume at (a node with a snapshot), shorter first: its tokens,
+        and the index in this list of the longest resumable prefix of its own (-1: none)."""
+        out: list[tuple[tuple[int, ...], int]] = []
+        level = [(self.root, -1)]  # breadth first: each level deeper than the one before
+        while level:
+            deeper = []
+            for node, above in level:
+                for child in node.children.values():
+                    if child.snapshot is not None:
+                        out.append((self._tokens(child), above))
+                    deeper.append((child, len(out) - 1 if child.snapshot is not None else above))
+            level = deeper
         return out
+
+    @staticmethod
+    def _tokens(node: _Node) -> tuple[int, ...]:
+        keys = []
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        return tuple(t for key in reversed(keys) for t in key)
 
     # ---- giving pages back -----------------------------------------------------------------------
     def _drop_snapshot(self, node: _Node) -> None:

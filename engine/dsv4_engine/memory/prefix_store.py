@@ -78,15 +78,20 @@ def export_prefixes(
         return []
     buffers = kv.buffers_by_type()
     records: list[PrefixRecord] = []
-    for tokens in cache.resumable():
+    prefixes = cache.resumable()
+    exported: set[int] = set()  # indices into prefixes
+    for i, (tokens, parent) in enumerate(prefixes):
         n = len(tokens)
-        base = max((len(r.tokens) for r in records if tokens[: len(r.tokens)] == r.tokens), default=0)
+        while parent >= 0 and parent not in exported:  # the longest exported prefix of its own
+            parent = prefixes[parent][1]
+        base = len(prefixes[parent][0]) if parent >= 0 else 0
         row = alloc.alloc_request()
         if row is None:
             break
         try:
             if alloc.match_prefix(row, tokens, n).length != n:
                 continue
+            exported.add(i)
             apply_copies()  # the snapshot's C4 rows into the row's own state page
             pages = {}
             for state_type, entries in _entries(kv, alloc, row, n).items():
