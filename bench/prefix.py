@@ -35,8 +35,8 @@ carries its conversation's `X-SMG-Routing-Key` (a chat user's, a shared-prompt u
 `--router-policy manual` keeps on one prefill server and the other policies ignore.
 
 Part 3, restart: the chat workload's users send every turn but the last to a `dsv4 serve
---prefix-cache-dir` (part 1's settings), which is then stopped with SIGTERM and writes its cache to the
-directory; each user's last turn, on the same history, then goes to a server started on that
+--prefix-cache-dir` (part 1's settings; it also saves every 2 s while it serves), which is then
+stopped with SIGTERM and writes its cache to the directory; each user's last turn, on the same history, then goes to a server started on that
 directory and to one started without it (what a restart costs without the file). TTFT and hit rate of
 that turn on each, and what the logs say was saved and imported, in how long.
 
@@ -774,8 +774,11 @@ def cluster_part(a: argparse.Namespace, text: Text, procs: Procs, spec: dict[str
     return runs
 
 
-SAVED = re.compile(r"prefix cache: saved (\d+) prefixes to \S+ in ([\d.]+)s")
+SAVED = re.compile(r"prefix cache: saved (\d+) prefixes to \S+ in ([\d.]+)s \(read in ([\d.]+)s")
 IMPORTED = re.compile(r"prefix cache: imported (\d+) of (\d+) prefixes from \S+ in ([\d.]+)s")
+
+
+SAVE_INTERVAL = 2  # seconds: the first server also saves while it serves (often, to measure the pauses)
 
 
 @dataclass
@@ -794,17 +797,26 @@ def restart_part(a: argparse.Namespace, text: Text, procs: Procs, flags: list[st
         old.unlink()
     keep = [*flags, "--prefix-cache-dir", str(cache_dir), "--log-level", "info"]
     wl = make_workload(text, a, "r")
+    saving = [*keep, "--prefix-cache-save-interval", str(SAVE_INTERVAL)]
     histories: list[list[dict[str, str]]] = [[] for _ in wl.turns]
-    before, url = serve(procs, a.model, "restart-before", log_dir, keep)
+    before, url = serve(procs, a.model, "restart-before", log_dir, saving)
     wait_until(healthy(url), [before], a.start_timeout, f"{before.name} to become healthy")
     warm_up(url, text, a)
     print(f"restart: turns 1-{a.turns - 1} of {a.chat_users} chat users, then SIGTERM ...", flush=True)
     asyncio.run(run_workload(url, wl, "chat", a, ("restart", "before", 0), histories, range(a.turns - 1)))
     procs.stop(before)
-    m = SAVED.search(before.log_path.read_text(errors="replace"))
+    saves = SAVED.findall(before.log_path.read_text(errors="replace"))  # the drain's is the last
     size = sum(f.stat().st_size for f in cache_dir.glob("*.safetensors"))
+    serving = [float(r) for _, _, r in saves[:-1]]  # the engine's pause to read the cache, per save
     saved = (
-        f"{m[1]} prefixes, {size / 2**20:.1f} MiB, in {float(m[2]):.2f} s" if m else "nothing (see its log)"
+        f"{saves[-1][0]} prefixes, {size / 2**20:.1f} MiB, in {float(saves[-1][1]):.2f} s; "
+        + (
+            f"{len(serving)} saves while serving, each pausing the engine {min(serving):.2f}-{max(serving):.2f} s"
+            if serving
+            else "no save while serving"
+        )
+        if saves
+        else "nothing (see its log)"
     )
     runs, imported = [], ""
     for config, extra in (("saved cache", keep), ("cold", flags)):

@@ -26,6 +26,7 @@ from dsv4_engine.engine_config import EngineConfig
 from dsv4_engine.memory import Dsv4MemoryLayout, OutOfPages, StateType, dsv4_state_payloads
 from dsv4_engine.memory.prefix_store import (
     PageWrites,
+    PrefixExport,
     PrefixRecord,
     export_prefixes,
     import_prefixes,
@@ -369,13 +370,21 @@ class LLMEngine:
         """Empty the prefix cache; what running requests hold stays theirs."""
         self.allocator.flush_cache()
 
-    def export_prefix_cache(self) -> list[PrefixRecord]:
-        """Every prefix the cache can resume at, as the pages a request resuming there reads (for
-        another engine of the same layout: `import_prefix_cache`). Between steps. A parallel server's
-        ranks hold the same pages (its state is replicated), so rank 0's are read."""
+    def prefix_cache_version(self) -> int:
+        """How many times the prefix cache changed (entries added or dropped): a copy of it saved at
+        one count is current while the count stays."""
+        cache = self.allocator.prefix_cache
+        return cache.changes if cache is not None else 0
+
+    def export_prefix_cache(self, max_bytes: int | None = None) -> PrefixExport:
+        """The prefixes the cache can resume at, most recently used first up to max_bytes, as the pages
+        a request resuming there reads (for another engine of the same layout: `import_prefix_cache`).
+        Between steps, also while requests run. A parallel server's ranks hold the same pages (its
+        state is replicated), so rank 0's are read; the reads' row changes reach the other ranks
+        through the journal as any step's do."""
         drafter = self.runner.drafter
         read = drafter.cache.export_window if drafter is not None else None
-        return export_prefixes(self.allocator, self.kv_pool, self.runner.apply_state_copies, read)
+        return export_prefixes(self.allocator, self.kv_pool, self.runner.apply_state_copies, read, max_bytes)
 
     def import_prefix_cache(self, records: list[PrefixRecord]) -> int:
         """Cache what `export_prefix_cache` gave (an engine whose layout fingerprint is this one's,

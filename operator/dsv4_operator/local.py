@@ -8,7 +8,9 @@ build for the pods. `Local` holds the values that differ here, and nothing else 
 - discovery: `--prefill URL BOOTSTRAP_PORT --decode URL` per server, where the pods' router finds
   them by label selector;
 - the model path on this machine (also the router's tokenizer path), where pods read a mount;
-- the API key: the value of $DSV4_API_KEY, where pods substitute it from the Secret.
+- the API key: the value of $DSV4_API_KEY, where pods substitute it from the Secret;
+- the prefix-cache volume (engine.prefixCacheVolume): a directory of this machine named after the
+  claim (`dsv4 up` puts it in its cache directory), where prefill pods mount the claim.
 How the commands start differs too (this Python runs `dsv4_operator.cli serve` and sglang_router,
 where the images run `dsv4` and `python3`), and CPUs are pinned here where pods get CPU requests.
 """
@@ -21,6 +23,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from dsv4_operator.plan import model_path, router_args, serve_args
@@ -65,6 +68,7 @@ class Local:
     metrics_port: int
     api_key: str | None
     cpus: tuple[int, ...]  # all of this process's cores: the router shares them
+    prefix_cache_dir: str | None = None  # the prefill servers' --prefix-cache-dir
 
     def url(self, port: int) -> str:
         return f"http://{self.host}:{port}"
@@ -103,6 +107,7 @@ def server_argv(dep: Dsv4Deployment, local: Local, server: LocalServer) -> list[
         port=server.port,
         bootstrap_port=server.bootstrap_port,
         metrics_port=server.metrics_port,
+        prefix_cache=local.prefix_cache_dir,
     )
     return [*serve_command(), *args]
 
@@ -265,11 +270,19 @@ def local(
     cpus: Sequence[int],
     env: Mapping[str, str],
     host: str = HOST,
+    claims: Path | None = None,
 ) -> Local:
+    """claims: the directory whose subdirectory <claim name> stands for a PersistentVolumeClaim here
+    (the prefix-cache volume's; without it, a spec with one is refused)."""
     if dep.spec.api_key_secret is not None and not env.get(API_KEY_ENV):
         secret = dep.spec.api_key_secret
         reason = f"set ${API_KEY_ENV} to the key (the Secret {secret.name}/{secret.key} is not read locally)"
         raise LocalError([("spec.apiKeySecret", reason)])
+    vol, prefix_cache_dir = dep.spec.engine.prefix_cache_volume, None
+    if vol is not None:
+        if claims is None:
+            raise LocalError([("spec.engine.prefixCacheVolume", "no directory stands for claims here")])
+        prefix_cache_dir = str(claims / vol.claim_name / (vol.path or ""))
     shares = split_cpus(cpus, dep.spec.prefill.replicas, dep.spec.decode.replicas)
     first_bootstrap = ports.get("prefill-0.bootstrap", dep.spec.engine.bootstrap_port)
     servers = tuple(
@@ -292,4 +305,5 @@ def local(
         metrics_port=ports["router.metrics"],
         api_key=env.get(API_KEY_ENV) if dep.spec.api_key_secret is not None else None,
         cpus=tuple(sorted(cpus)),
+        prefix_cache_dir=prefix_cache_dir,
     )

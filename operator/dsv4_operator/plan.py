@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dsv4_operator.fingerprint import deployment_fingerprint
-from dsv4_operator.spec import Dsv4Deployment
+from dsv4_operator.spec import Dsv4Deployment, EngineSpec
 
 Role = Literal["prefill", "decode", "router"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "router")
@@ -126,6 +126,17 @@ def prefix_cache_dir(dep: Dsv4Deployment) -> str | None:
     return f"{PREFIX_CACHE_MOUNT}/{vol.path}" if vol.path else PREFIX_CACHE_MOUNT
 
 
+def _prefix_cache_args(eng: EngineSpec, directory: str) -> list[str]:
+    vol = eng.prefix_cache_volume
+    assert vol is not None
+    return [
+        "--prefix-cache-dir", directory,
+        *(["--prefix-cache-max-bytes", vol.max_size] if vol.max_size else []),
+        *(["--prefix-cache-save-interval", str(vol.save_interval_seconds)]
+          if vol.save_interval_seconds is not None else []),
+    ]  # fmt: skip
+
+
 def serve_args(
     dep: Dsv4Deployment,
     role: Literal["prefill", "decode"],
@@ -155,7 +166,7 @@ def serve_args(
         "--grace-period", str(eng.grace_period_seconds),
         *([] if eng.enforce_eager else ["--no-enforce-eager"]),
         *([] if eng.prefix_cache else ["--disable-radix-cache"]),
-        *(["--prefix-cache-dir", prefix_cache] if prefix_cache and role == "prefill" else []),
+        *(_prefix_cache_args(eng, prefix_cache) if prefix_cache and role == "prefill" else []),
         # Both roles: the decode drafts, the prefill's MTP layer makes the first step's drafts.
         *(["--speculative-num-steps", str(eng.speculative_num_steps)] if eng.speculative_num_steps else []),
         "--disaggregation-mode", role,

@@ -42,6 +42,7 @@ IMAGE_RE = r"^[^\s]+$"
 LABEL_VALUE_RE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 LABEL_KEY_RE = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 DURATION_RE = r"^(0|([0-9]+(ms|s|m|h))+)$"  # Prometheus' duration (a scrape interval)
+BYTE_SIZE_RE = r"^[1-9][0-9]*(Ki|Mi|Gi|Ti)?$"  # what `dsv4 serve` takes as a byte count (IEC only)
 
 # Largest number of NPUs one node holds (Atlas 800 A3: 16 dies). A server that needs more spans nodes.
 MAX_NPUS_PER_NODE = 16
@@ -81,6 +82,15 @@ class PvcSource(_Model):
     path: RelPath | None = None  # inside the volume; unset or "" = its root
 
 
+class PrefixCacheVolume(PvcSource):
+    """Where prefill servers keep their prefix cache (`dsv4 serve --prefix-cache-dir`)."""
+
+    max_size: Annotated[str, Field(pattern=BYTE_SIZE_RE, max_length=32)] | None = (
+        None  # --prefix-cache-max-bytes
+    )
+    save_interval_seconds: Annotated[int, Field(ge=0, le=86400)] | None = None  # --prefix-cache-save-interval
+
+
 class HostPathSource(_Model):
     path: AbsPath
 
@@ -116,7 +126,7 @@ class EngineSpec(_Model):
     grace_period_seconds: Annotated[int, Field(ge=0, le=3600)] = 60
     enforce_eager: bool = True
     prefix_cache: bool = True
-    prefix_cache_volume: PvcSource | None = None  # the prefill servers' --prefix-cache-dir
+    prefix_cache_volume: PrefixCacheVolume | None = None
     speculative_num_steps: Annotated[int, Field(ge=0, le=8)] = 0
     env: Annotated[list[EnvVar], Field(max_length=64)] | None = None
 

@@ -98,7 +98,8 @@ def prepare(args: argparse.Namespace, env: Mapping[str, str]) -> Cluster:
         raise lc.LocalError([("spec.prefill.replicas", "0 (paused): there is nothing to run")])
     model = resolve_model(dep)
     ports = lc.choose_ports(dep, args.ports)
-    lo = lc.local(dep, model=model, ports=ports, cpus=sorted(os.sched_getaffinity(0)), env=env)
+    lo = lc.local(dep, model=model, ports=ports, cpus=sorted(os.sched_getaffinity(0)), env=env,
+                  claims=cache_dir() / "claims")  # fmt: skip
     log_dir = args.log_dir or cache_dir() / "up" / dep.metadata.name
     log_dir.mkdir(parents=True, exist_ok=True)
     return build(dep, lo, log_dir, env)

@@ -16,7 +16,7 @@ from types import FrameType
 from typing import Any
 
 from dsv4_operator import local as lc
-from dsv4_operator.plan import DRAIN_MARGIN_SECONDS  # beyond the grace period, as in the pods
+from dsv4_operator.plan import stop_seconds  # the drain's grace period and margin, as in the pods
 from dsv4_operator.spec import Dsv4Deployment
 from dsv4_operator.up_process import Child, load_libc, router_state, server_state
 
@@ -144,9 +144,7 @@ class Cluster:
 
     def stop(self) -> bool:
         """Servers first (SIGTERM: they drain), then the router. True if everything stopped cleanly."""
-        clean = self._stop_group(
-            self.servers, self.dep.spec.engine.grace_period_seconds + DRAIN_MARGIN_SECONDS
-        )
+        clean = self._stop_group(self.servers, max(stop_seconds(self.dep, role) for role in lc.SERVER_ROLES))
         self._stop_group([self.router], ROUTER_STOP_SECONDS, judge=False)
         print("dsv4 up: stopped", flush=True)
         return clean

@@ -153,7 +153,7 @@ def test_imported_prefixes_resume_on_two_ranks(checkpoints: dict[str, Path]) -> 
 
     source = make()
     source.generate([base], params)
-    records = source.engine.export_prefix_cache()
+    records = source.engine.export_prefix_cache().records
     question = base[:280] + random_ids(20, seed=22)
     want = make(disable_radix_cache=True).generate([question], params)[0].token_ids
     two = make(tp_size=2)
@@ -161,7 +161,7 @@ def test_imported_prefixes_resume_on_two_ranks(checkpoints: dict[str, Path]) -> 
         assert two.engine.import_prefix_cache(records) == len(records) > 0
         got = two.generate([question], params)[0]
         assert got.num_cached_tokens == 256 and got.token_ids == want
-        assert two.engine.export_prefix_cache()  # rank 0's pages read back on a parallel server
+        assert two.engine.export_prefix_cache().records  # rank 0's pages read back on a parallel server
     finally:
         two.close()
 
@@ -179,7 +179,7 @@ def test_imported_prefixes_keep_their_draft_window_on_two_ranks(checkpoints: dic
 
     source = make()
     source.generate([base + random_ids(5, seed=52)], params)
-    records = source.engine.export_prefix_cache()
+    records = source.engine.export_prefix_cache().records
 
     def run(**kwargs: object) -> tuple[list[int], list[list[int]]]:
         llm = make(**kwargs)
@@ -194,3 +194,41 @@ def test_imported_prefixes_keep_their_draft_window_on_two_ranks(checkpoints: dic
 
     one, two = run(), run(tp_size=2)
     assert len(one[1]) >= TOKENS // 2 and two == one
+
+
+def test_an_export_between_steps_keeps_two_ranks_in_step(
+    checkpoints: dict[str, Path], hf_models: Callable[[str], torch.nn.Module], one_rank: list[list[int]]
+) -> None:
+    """A server saving its prefix cache on an interval exports between steps while requests run: rank 0
+    borrows a row to read each prefix, and the other ranks replay that with the next step's journal.
+    The requests then finish as on one rank, and every pool is whole after /flush_cache."""
+    llm = LLM(checkpoints["A"], dtype="float32", max_model_len=1024, max_num_seqs=8, num_pages=64,
+              chunked_prefill_size=128, tp_size=2)  # fmt: skip
+    workers = llm.engine.workers
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+        engine = llm.engine
+        ids = [engine.add_request(random_ids(n, seed=n), params) for n in LENGTHS]
+        out: dict[str, list[int]] = {i: [] for i in ids}
+        exports = 0
+        while engine.has_unfinished():
+            for step in engine.step():
+                out[step.request_id] += step.new_token_ids
+            if engine.has_unfinished() and engine.export_prefix_cache().records:
+                exports += 1
+        assert exports > 0
+        engine.flush_cache()
+        engine.step()  # a step's journal takes the flush to the other ranks
+        m = engine.metrics()
+        for fam in ("full", "swa", "c4s", "c128s"):
+            assert m[f"pool_free/{fam}"] == m[f"pool_total/{fam}"], fam
+        assert workers is not None and workers.failure is None
+    finally:
+        llm.close()
+    assert workers is not None and all(p.exitcode == 0 for p in workers.processes)
+    tokens = [out[i] for i in ids]
+    excused = sum(
+        len(greedy_divergences(hf_models("A"), random_ids(n, seed=n), ours))
+        for n, ours in zip(LENGTHS, tokens, strict=True)
+    )
+    assert tokens == one_rank or excused

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from dsv4_engine.llm import LLM, RequestOutput
+from dsv4_engine.memory.prefix_store import PrefixRecord
 from dsv4_engine.memory.sizing import SLOTS_PER_SNAPSHOT
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.testing import greedy_divergences, random_ids
@@ -145,7 +146,7 @@ def test_exported_prefixes_resume_on_another_engine(make_llm, assert_released, n
     turn = BASE[:300]
     for i in range(3):  # three turns of growing history
         turn = turn + source.generate([turn], params)[0].token_ids + random_ids(150, seed=60 + i)
-    records = source.engine.export_prefix_cache()
+    records = source.engine.export_prefix_cache().records
     assert len(records) >= 2
     assert [r.base for r in records[1:]] == [len(r.tokens) for r in records[:-1]]  # each extends the last
     deepest = len(records[-1].tokens)
@@ -167,7 +168,7 @@ def test_import_stops_where_free_pages_end(make_llm, assert_released) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     source = make_llm("A")
     source.generate([BASE[:1100]], params)
-    records = source.engine.export_prefix_cache()
+    records = source.engine.export_prefix_cache().records
     target = make_llm("A", num_pages=6)
     done = target.engine.import_prefix_cache(records)
     assert 0 < done < len(records)
@@ -188,13 +189,90 @@ def test_import_stops_where_snapshot_slots_end(make_llm, assert_released) -> Non
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     source = make_llm("A")
     source.generate([random_ids(600, seed=90 + i) for i in range(4)], params)
-    records = source.engine.export_prefix_cache()
+    records = source.engine.export_prefix_cache().records
     target = make_llm("A", max_num_seqs=1)  # SLOTS_PER_SNAPSHOT slots
     slots = target.engine.allocator.snapshot_slots.num_pages
     assert len(records) > slots == SLOTS_PER_SNAPSHOT
     assert target.engine.import_prefix_cache(records) == slots
     cache = target.engine.allocator.prefix_cache
-    assert cache is not None and sorted(t for t, _ in cache.resumable()) == sorted(
+    assert cache is not None and sorted(r.tokens for r in cache.resumable()) == sorted(
         r.tokens for r in records[:slots]
     )
     assert_released(target)
+
+
+def _chat(llm: LLM, seed: int, turns: int) -> list[int]:
+    """A conversation's history after `turns` turns (each caches its prefix)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    history = random_ids(300, seed=seed)
+    for i in range(turns):
+        history = history + llm.generate([history], params)[0].token_ids + random_ids(150, seed=seed + 1 + i)
+    return history
+
+
+def _size(rec: PrefixRecord) -> int:
+    tensors = [*(d for data in rec.pages.values() for d in data), *rec.extra.values()]
+    return sum(t.numel() * t.element_size() for t in tensors) + 8 * len(rec.tokens)
+
+
+def test_a_capped_export_keeps_the_most_recently_used_prefixes(make_llm, assert_released) -> None:
+    """Two conversations, the older one used again last: an export capped at that one's size holds its
+    prefixes only and leaves the other's out (`over_cap`). Reading leaves the cache's LRU order and
+    change count as they were, so a server can save while it serves. The capped records import into
+    another engine, whose next turn of the kept conversation resumes at its deepest prefix."""
+    llm = make_llm("A")
+    old = _chat(llm, seed=300, turns=2)
+    _chat(llm, seed=400, turns=2)
+    old = (
+        old + llm.generate([old], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].token_ids
+    )
+    cache = llm.engine.allocator.prefix_cache
+    assert cache is not None
+    before, version = cache.resumable(), llm.engine.prefix_cache_version()
+
+    everything = llm.engine.export_prefix_cache()
+    assert (everything.busy, everything.over_cap) == (0, 0)
+    mine = [r for r in everything.records if tuple(old[: len(r.tokens)]) == r.tokens]
+    others = len(everything.records) - len(mine)
+    assert mine and others
+    capped = llm.engine.export_prefix_cache(max_bytes=sum(_size(r) for r in mine))
+    assert [r.tokens for r in capped.records] == [r.tokens for r in mine]
+    assert (capped.busy, capped.over_cap) == (0, others)
+    assert cache.resumable() == before and llm.engine.prefix_cache_version() == version
+
+    target = make_llm("A")
+    assert target.engine.import_prefix_cache(capped.records) == len(mine)
+    question = old + random_ids(30, seed=500)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = target.generate([question], params)[0]
+    want = make_llm("A", disable_radix_cache=True).generate([question], params)[0]
+    assert got.num_cached_tokens == len(mine[-1].tokens) and got.token_ids == want.token_ids
+    assert_released(llm)
+    assert_released(target)
+
+
+def test_an_export_between_steps_leaves_running_requests_as_they_were(make_llm, assert_released) -> None:
+    """An export while requests run (a server saving on an interval) borrows a free row and gives it
+    back: the requests finish with the tokens they give without it, and the cache's entries stay."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [BASE[:600], BASE[:300] + random_ids(200, seed=9)]
+
+    def run(export: bool) -> tuple[list[list[int]], int, int]:
+        llm = make_llm("A", chunked_prefill_size=128)
+        llm.generate([BASE[:400]], params)  # something cached before the requests start
+        engine = llm.engine
+        ids = [engine.add_request(p, params) for p in prompts]
+        out: dict[str, list[int]] = {i: [] for i in ids}
+        exported = 0
+        while engine.has_unfinished():
+            for step in engine.step():
+                out[step.request_id] += step.new_token_ids
+            if export and engine.has_unfinished():
+                exported = max(exported, len(engine.export_prefix_cache().records))
+        version = engine.prefix_cache_version()
+        assert_released(llm)
+        return [out[i] for i in ids], version, exported
+
+    with_export, version, exported = run(export=True)
+    without, version_without, _ = run(export=False)
+    assert exported > 0 and with_export == without and version == version_without

@@ -225,7 +225,7 @@ def test_an_imported_prefix_keeps_its_draft_window(mtp_checkpoints, assert_relea
     kw = {"speculative_num_steps": 2, "chunked_prefill_size": 256}
     source = _llm(mtp_checkpoints["A"], disable_radix_cache=False, **kw)
     source.generate([base + random_ids(5, seed=52)], GREEDY)
-    exported = source.engine.export_prefix_cache()
+    exported = source.engine.export_prefix_cache().records
     assert any(r.extra for r in exported)
     prefix_file.write(tmp_path / prefix_file.FILE_NAME, exported, {"version": 1})
     records = prefix_file.read(tmp_path / prefix_file.FILE_NAME, {"version": 1})

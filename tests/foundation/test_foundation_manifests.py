@@ -18,7 +18,7 @@ from dsv4_operator.fingerprint import deployment_fingerprint
 from dsv4_operator.manifests import is_generation_scoped, render
 from dsv4_operator.plan import A_BOOTSTRAP_PORT, L_FINGERPRINT, POD_MONITOR_API, plan
 from dsv4_operator.render import dump
-from dsv4_operator.spec import NAME_MAX, parse
+from dsv4_operator.spec import NAME_MAX, SpecError, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID = sorted((ROOT / "examples").glob("*.yaml"))
@@ -239,6 +239,25 @@ def test_prefix_cache_volume_is_mounted_on_prefill_and_passed_as_its_directory(w
     for role in ("prefill", "decode"):
         c = container(find(objects(with_spec()), "StatefulSet", role))
         assert "--prefix-cache-dir" not in c["args"]
+
+
+def test_prefix_cache_volume_size_cap_and_save_interval_reach_the_prefill(with_spec: Make) -> None:
+    """maxSize and saveIntervalSeconds become the prefill server's --prefix-cache-max-bytes and
+    --prefix-cache-save-interval, as the real `dsv4 serve` parser reads them; unset, neither flag is
+    passed (the engine's defaults); a size the engine would not read is refused by the spec."""
+    vol = {"claimName": "prefix-cache-claim", "maxSize": "20Gi", "saveIntervalSeconds": 0}
+    parsed = serve_parser().parse_args(
+        container(find(objects(with_spec(engine={"prefixCacheVolume": vol})), "StatefulSet", "prefill"))[
+            "args"
+        ]
+    )
+    assert (parsed.prefix_cache_max_bytes, parsed.prefix_cache_save_interval) == (20 * 2**30, 0.0)
+    args = container(
+        find(objects(with_spec(engine={"prefixCacheVolume": {"claimName": "c"}})), "StatefulSet", "prefill")
+    )["args"]
+    assert "--prefix-cache-max-bytes" not in args and "--prefix-cache-save-interval" not in args
+    with pytest.raises(SpecError, match=re.escape("spec.engine.prefixCacheVolume.maxSize")):
+        parse(with_spec(engine={"prefixCacheVolume": {"claimName": "c", "maxSize": "20G"}}))
 
 
 def test_speculative_decoding_reaches_both_roles(with_spec: Make) -> None:

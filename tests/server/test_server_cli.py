@@ -64,6 +64,18 @@ def test_new_engine_settings_reach_the_engine() -> None:
     assert parse(["--model", "m"]).engine_kwargs() == {}  # nothing given: the engine's defaults
 
 
+def test_prefix_cache_file_flags() -> None:
+    s = parse(["--model", "m", "--prefix-cache-dir", "d", "--prefix-cache-max-bytes", "8Gi",
+               "--prefix-cache-save-interval", "30"])  # fmt: skip
+    assert (s.prefix_cache_max_bytes, s.prefix_cache_save_interval) == (8 * 2**30, 30.0)
+    assert parse(["--model", "m"]).prefix_cache_save_interval == 300.0
+    for flag, bad in (("--prefix-cache-save-interval", "-1"), ("--prefix-cache-save-interval", "inf"),
+                      ("--prefix-cache-max-bytes", "8G")):  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            parse(["--model", "m", flag, bad])
+        assert info.value.code == 2
+
+
 @pytest.mark.parametrize(
     ("text", "value"), [("1000", 1000), ("8Gi", 8 * 2**30), ("512MiB", 512 * 2**20), ("2Ki", 2048)]
 )
@@ -187,6 +199,7 @@ def _bad_config(tmp_path: Path) -> list[str]:
         (lambda tmp, ckpt: ["--model", ckpt, "--prefix-cache-dir", str(tmp), "--disable-radix-cache"],
          "--prefix-cache-dir"),
         (lambda tmp, ckpt: ["--model", ckpt, "--prefix-cache-dir", _a_file(tmp)], "--prefix-cache-dir"),
+        (lambda tmp, ckpt: ["--model", ckpt, "--prefix-cache-max-bytes", "4Gi"], "--prefix-cache-max-bytes"),
     ],
 )  # fmt: skip
 def test_serve_refuses_bad_settings_before_binding(

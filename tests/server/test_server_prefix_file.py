@@ -4,12 +4,14 @@ of another memory layout names the difference in its log and starts cold."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 from pathlib import Path
 from typing import Any
 
 import httpx
+from safetensors import safe_open
 
 NAME = "dsv4-tiny"
 SYSTEM = " ".join(f"rule{i} keep answers short and exact" for i in range(60))  # several pages
@@ -29,6 +31,10 @@ def _chat(base: str, question: str) -> tuple[str, int]:
     return out["choices"][0]["message"]["content"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def _args(checkpoint: Path, cache_dir: Path) -> tuple[str, ...]:
+    return ("--model", str(checkpoint), "--served-model-name", NAME, "--prefix-cache-dir", str(cache_dir))
+
+
 def _drain(server: Any) -> None:
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(120) == 0, server.log()[-4000:]
@@ -38,14 +44,7 @@ def test_a_restarted_server_resumes_from_the_saved_cache(
     tiny_checkpoint: Path, serve_process: Any, tmp_path: Path
 ) -> None:
     cache_dir = tmp_path / "prefixes"
-    args = (
-        "--model",
-        str(tiny_checkpoint),
-        "--served-model-name",
-        NAME,
-        "--prefix-cache-dir",
-        str(cache_dir),
-    )
+    args = _args(tiny_checkpoint, cache_dir)
     first = serve_process(*args)
     assert "no prefix-cache.safetensors yet" in first.log() or "starting cold" in first.log()
     _chat(first.base, "What is one plus one?")
@@ -78,9 +77,52 @@ def test_a_restarted_server_resumes_from_the_saved_cache(
     # A damaged file never stops a server from starting: it starts cold and says why.
     path = cache_dir / "prefix-cache.safetensors"
     path.write_bytes(path.read_bytes()[:1000])
-    damaged = serve_process(*args)
+    # Under a size cap no prefix fits: the drain leaves the file as it was.
+    damaged = serve_process(*args, "--prefix-cache-max-bytes", "1Ki")
     assert "prefix cache: not loaded, starting cold" in damaged.log()
     assert _chat(damaged.base, "Name a colour.")[1] == 0
+    _drain(damaged)
+    assert "no prefix fits --prefix-cache-max-bytes" in damaged.log()
+    assert path.stat().st_size == 1000
+
+
+def _gauge(base: str, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", httpx.get(f"{base}/metrics", timeout=30).text, re.M)
+    assert found is not None, name
+    return float(found[1])
+
+
+def test_a_server_saves_while_serving_so_a_crash_keeps_the_cache(
+    tiny_checkpoint: Path, serve_process: Any, until: Any, tmp_path: Path
+) -> None:
+    """With a save interval the file is written while the server serves, not only at a drain: a server
+    killed without draining (SIGKILL: an OOM kill, a lost node) leaves it, and the next server imports
+    it and resumes the prompt from it."""
+    cache_dir = tmp_path / "prefixes"
+    args = _args(tiny_checkpoint, cache_dir)
+    first = serve_process(*args, "--prefix-cache-save-interval", "0.2")
+    answer, _ = _chat(first.base, "Name a colour.")
+    until(lambda: _gauge(first.base, "dsv4_prefix_cache_saved_prefixes") > 0, 120, "a save while serving")
+    assert "prefix cache: saved" in first.log()
+    first.proc.kill()
+    first.proc.wait(60)
+    with safe_open(str(cache_dir / "prefix-cache.safetensors"), framework="pt") as f:
+        saved = len(json.loads((f.metadata() or {})["records"]))  # the last save's, whichever it was
+
+    second = serve_process(*args, "--prefix-cache-save-interval", "0")
+    assert _gauge(second.base, "dsv4_prefix_cache_imported_prefixes") == saved > 0
+    again, resumed = _chat(second.base, "Name a colour.")
+    assert again == answer and resumed > 0
+    httpx.post(f"{second.base}/flush_cache", timeout=60).raise_for_status()
+    _chat(second.base, "Name a colour.")  # the cache changed since the import
+    _drain(second)  # with the interval 0, the drain saves
+    assert second.log().count("prefix cache: saved") == 1
+
+    # Unchanged since the import: the drain leaves the file alone.
+    third = serve_process(*args, "--prefix-cache-save-interval", "0")
+    assert _gauge(third.base, "dsv4_prefix_cache_imported_prefixes") > 0
+    _drain(third)
+    assert "prefix cache: saved" not in third.log()
 
 
 def test_the_file_keeps_every_record_field(tmp_path: Path) -> None:

@@ -245,3 +245,29 @@ def test_an_invalid_spec_exits_2_naming_the_field(tmp_path: Path, capsys: pytest
 def test_up_imports_no_torch() -> None:
     code = "import sys, dsv4_operator.cli, dsv4_operator.up; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_prefix_cache_volume_is_a_directory_named_after_its_claim(tmp_path: Path) -> None:
+    """engine.prefixCacheVolume: where prefill pods mount the claim, the local prefill servers get
+    <claims>/<claim name>/<path> as --prefix-cache-dir (the same for every replica, as the claim is);
+    the decode servers get none; with no directory for claims the spec is refused by field."""
+    vol = {"claimName": "chat-cache", "path": "v4", "saveIntervalSeconds": 60}
+    base = yaml.safe_load((ROOT / "examples" / "cpu-tiny.yaml").read_text())
+    base["spec"]["engine"]["prefixCacheVolume"] = vol
+    base["spec"]["prefill"]["replicas"] = 2
+    dep = parse(base)
+    ports = {name: 40000 + i for i, name in enumerate(lc.port_slots(dep))}
+    lo = lc.local(dep, model="/here/model", ports=ports, cpus=[0, 1], env={}, claims=tmp_path)
+    pods = render(dep)
+    for server in lo.servers:
+        values = dict(
+            (g[0], g[1:]) for g in groups(lc.server_argv(dep, lo, server)[len(lc.serve_command()) :])
+        )
+        pod = dict((g[0], g[1:]) for g in groups(container(pods, "StatefulSet", server.role)["args"]))
+        if server.role == "decode":
+            assert "--prefix-cache-dir" not in values
+            continue
+        assert values["--prefix-cache-dir"] == [str(tmp_path / "chat-cache" / "v4")]
+        assert values["--prefix-cache-save-interval"] == pod["--prefix-cache-save-interval"] == ["60"]
+    with pytest.raises(lc.LocalError, match="no directory"):
+        lc.local(dep, model="/here/model", ports=ports, cpus=[0, 1], env={})

@@ -325,16 +325,17 @@ class Dsv4Allocator(Journaled):
         return bundle([(self._reqs[s.req_idx], s) for s in specs], self.geometry)
 
     # ---- the prefix cache ---------------------------------------------------------------------------
-    def match_prefix(self, req_idx: int, tokens: Sequence[int], limit: int) -> PrefixHit:
+    def match_prefix(self, req_idx: int, tokens: Sequence[int], limit: int, touch: bool = True) -> PrefixHit:
         """Start a new row from the longest cached prefix of tokens[:limit]: the row shares its pages
-        (its tables written as if it had prefilled them) and its next step starts at `hit.length`."""
+        (its tables written as if it had prefilled them) and its next step starts at `hit.length`.
+        touch=False leaves the cache's LRU order as it was (a reader of the cache, not a request)."""
         self._check_row(req_idx)
         if req_idx in self._reqs:
             raise ValueError(f"request {req_idx} already holds memory")
         if self.prefix_cache is None:
             return PrefixHit()
-        hit = self.prefix_cache.match(tokens, limit)
-        self._log("match_prefix", req_idx, list(tokens[: hit.matched]), hit.matched)
+        hit = self.prefix_cache.match(tokens, limit, touch=touch)
+        self._log("match_prefix", req_idx, list(tokens[: hit.matched]), hit.matched, touch)
         if hit.slot and not self.pools["c4s"].num_free:  # no page to restore the C4 state rows into
             hit = PrefixHit(matched=hit.matched)
         if not hit.length:

@@ -32,6 +32,7 @@ import heapq
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .page_pool import PagePool
 from .state_copies import StateCopies
@@ -66,6 +67,15 @@ class PrefixHit:
     slot: int = 0
 
 
+class Resumable(NamedTuple):
+    """A prefix a request can resume at: its tokens, the index (in `PrefixCache.resumable`'s list) of
+    the longest resumable prefix of its own (-1: none), and when it was last matched or inserted."""
+
+    tokens: tuple[int, ...]
+    parent: int
+    last_used: int
+
+
 class PrefixCache:
     def __init__(
         self, pools: Mapping[str, PagePool], page_size: int, slots: PagePool, copies: StateCopies
@@ -78,6 +88,7 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self.num_nodes = 0
         self.num_snapshots = 0
+        self.changes = 0  # entries added or dropped so far: a saved copy is current while it is unchanged
 
     def _page_key(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
         p = self.page_size
@@ -121,8 +132,8 @@ class PrefixCache:
         tokens: Sequence[int],
         full: Sequence[int],
         snapshot: Snapshot | None,
-        c4_row: int | None = None,
-        req_idx: int = 0,
+        c4_row: int | None,
+        req_idx: int,
     ) -> None:
         """Cache tokens (page-aligned) with their full pages and, when given, the snapshot at their end:
         its shared pages, and (c4_row: the state slot of position P-4 of request row `req_idx`) a slot
@@ -140,6 +151,7 @@ class PrefixCache:
                 self.pools["full"].cache_hold(full[k])
                 child = node.children[key] = _Node(parent=node, key=key, page=full[k], depth=k + 1)
                 self.num_nodes += 1
+                self.changes += 1
             child.last_used = now
             node = child
         if n and snapshot is not None and node.snapshot is None:
@@ -155,18 +167,18 @@ class PrefixCache:
             node.snapshot = {fam: dict(pages) for fam, pages in snapshot.items()}
             node.snapshot_used = now
             self.num_snapshots += 1
+            self.changes += 1
 
-    def resumable(self) -> list[tuple[tuple[int, ...], int]]:
-        """Every prefix a request can resume at (a node with a snapshot), shorter first: its tokens,
-        and the index in this list of the longest resumable prefix of its own (-1: none)."""
-        out: list[tuple[tuple[int, ...], int]] = []
+    def resumable(self) -> list[Resumable]:
+        """Every prefix a request can resume at (a node with a snapshot), shorter first."""
+        out: list[Resumable] = []
         level = [(self.root, -1)]  # breadth first: each level deeper than the one before
         while level:
             deeper = []
             for node, above in level:
                 for child in node.children.values():
                     if child.snapshot is not None:
-                        out.append((self._tokens(child), above))
+                        out.append(Resumable(self._tokens(child), above, child.last_used))
                     deeper.append((child, len(out) - 1 if child.snapshot is not None else above))
             level = deeper
         return out
@@ -190,6 +202,7 @@ class PrefixCache:
             self.slots.free([node.slot])
         node.snapshot, node.slot = None, 0
         self.num_snapshots -= 1
+        self.changes += 1
 
     def _remove_leaf(self, node: _Node) -> _Node | None:
         """Remove a leaf; its parent when that became a leaf (a new eviction candidate)."""
@@ -200,6 +213,7 @@ class PrefixCache:
         parent = node.parent
         del parent.children[node.key]
         self.num_nodes -= 1
+        self.changes += 1
         return parent if parent is not self.root and not parent.children else None
 
     def _nodes(self) -> list[_Node]:
@@ -252,3 +266,4 @@ class PrefixCache:
             self.pools["full"].cache_drop(node.page)
         self.root.children = {}
         self.num_nodes = 0
+        self.changes += 1

@@ -12,6 +12,8 @@ operations, so ownership and counts stay its own.
 
 Prefixes nest (a chat's turns, a system prompt's junction): a record keeps only the pages of positions
 from `base`, the end of the longest earlier record it extends, and is imported after it, resuming there.
+Under a size cap the most recently used prefixes go first; a prefix whose parent did not fit extends
+the longest one that did.
 """
 
 from __future__ import annotations
@@ -63,45 +65,72 @@ def _entries(
     return out
 
 
+@dataclass(frozen=True)
+class PrefixExport:
+    """What `export_prefixes` read: the records, shorter first (a record after the one it extends), and
+    how many resumable prefixes it left out: for want of a free request row or C4 state page to read
+    them through (`busy`; none on an idle engine), and for the size cap (`over_cap`)."""
+
+    records: list[PrefixRecord]
+    busy: int = 0
+    over_cap: int = 0
+
+
 def export_prefixes(
     alloc: Dsv4Allocator,
     kv: Dsv4TokenToKVPool,
     apply_copies: Callable[[], None],
     read_extra: ReadExtra | None = None,
-) -> list[PrefixRecord]:
-    """Every prefix the cache can resume at, shorter first. apply_copies runs the allocator's queued
-    state copies on the pools (the model runner's `apply_state_copies`); read_extra reads what else the
-    resumed scratch row holds. Needs a free request row and C4 state page (an idle engine has them);
-    prefixes it cannot resume are left out."""
+    max_bytes: int | None = None,
+) -> PrefixExport:
+    """The prefixes the cache can resume at, most recently used first while they fit in max_bytes (None:
+    all). apply_copies runs the allocator's queued state copies on the pools (the model runner's
+    `apply_state_copies`); read_extra reads what else the resumed scratch row holds. Reading leaves the
+    cache's LRU order as it was, so a server can save while it serves: between steps, with a request
+    row and a C4 state page free."""
     cache = alloc.prefix_cache
     if cache is None:
-        return []
+        return PrefixExport([])
     buffers = kv.buffers_by_type()
-    records: list[PrefixRecord] = []
+    page_bytes = {t: sum(b[0].numel() * b.element_size() for b in bs) for t, bs in buffers.items()}
     prefixes = cache.resumable()
+    # A prefix is used whenever a longer one is, so its ancestors come before it (ties: shorter first).
+    order = sorted(range(len(prefixes)), key=lambda i: (-prefixes[i].last_used, len(prefixes[i].tokens)))
+    records: list[PrefixRecord] = []
     exported: set[int] = set()  # indices into prefixes
-    for i, (tokens, parent) in enumerate(prefixes):
+    busy = over_cap = total = 0
+    for done, i in enumerate(order):
+        tokens, parent, _ = prefixes[i]
         n = len(tokens)
         while parent >= 0 and parent not in exported:  # the longest exported prefix of its own
-            parent = prefixes[parent][1]
-        base = len(prefixes[parent][0]) if parent >= 0 else 0
+            parent = prefixes[parent].parent
+        base = len(prefixes[parent].tokens) if parent >= 0 else 0
         row = alloc.alloc_request()
         if row is None:
+            busy += len(order) - done
             break
         try:
-            if alloc.match_prefix(row, tokens, n).length != n:
+            if alloc.match_prefix(row, tokens, n, touch=False).length != n:
+                busy += 1  # no C4 state page to restore its snapshot into
                 continue
-            exported.add(i)
             apply_copies()  # the snapshot's C4 rows into the row's own state page
-            pages = {}
-            for state_type, entries in _entries(kv, alloc, row, n).items():
-                ids = torch.tensor([pg for pos, pg in entries if pos >= base], dtype=torch.long)
-                pages[state_type] = [b.index_select(0, ids.to(b.device)).cpu() for b in buffers[state_type]]
+            ids = {
+                state_type: torch.tensor([pg for pos, pg in entries if pos >= base], dtype=torch.long)
+                for state_type, entries in _entries(kv, alloc, row, n).items()
+            }
+            size = sum(len(v) * page_bytes[t] for t, v in ids.items()) + 8 * n
+            if max_bytes is not None and total + size > max_bytes:
+                over_cap += 1
+                continue
+            pages = {t: [b.index_select(0, v.to(b.device)).cpu() for b in buffers[t]] for t, v in ids.items()}
             extra = read_extra(row, n) if read_extra is not None else {}
             records.append(PrefixRecord(tokens, base, pages, extra))
+            exported.add(i)
+            total += size + sum(t.numel() * t.element_size() for t in extra.values())
         finally:
             alloc.free(row)
-    return records
+    records.sort(key=lambda r: len(r.tokens))
+    return PrefixExport(records, busy, over_cap)
 
 
 def write_pages(kv: Dsv4TokenToKVPool, writes: PageWrites) -> None:

@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse, Response
 
 from dsv4_engine.server import (
     openai_routes,
-    prefix_file,
     responses,
     sglang_routes,
     test_hooks,
@@ -33,6 +32,7 @@ from dsv4_engine.server.errors import install_handlers
 from dsv4_engine.server.generation import GenSpec, Lease, outcomes, sampling_params, start
 from dsv4_engine.server.metrics import CONTENT_TYPE
 from dsv4_engine.server.middleware import ServingMiddleware
+from dsv4_engine.server.prefix_file import PrefixCacheFile
 from dsv4_engine.server.preflight import resolve_device
 from dsv4_engine.server.state import Phase, ServerContext
 
@@ -77,7 +77,10 @@ async def warm_up(ctx: ServerContext) -> None:
 
 
 async def _start_serving(
-    ctx: ServerContext, factory: EngineFactory, on_fatal: Callable[[BaseException], None]
+    ctx: ServerContext,
+    factory: EngineFactory,
+    on_fatal: Callable[[BaseException], None],
+    prefix_cache: PrefixCacheFile | None,
 ) -> None:
     started = time.monotonic()
     try:
@@ -95,8 +98,8 @@ async def _start_serving(
             await pd.setup(ctx, engine)
         log.info("engine loaded in %.1fs; warming up", time.monotonic() - started)
         await warm_up(ctx)
-        if ctx.settings.prefix_cache_dir is not None:
-            await prefix_file.restore(ctx)
+        if prefix_cache is not None:
+            await prefix_cache.restore()
     except asyncio.CancelledError:
         raise
     except BaseException as exc:
@@ -108,6 +111,8 @@ async def _start_serving(
     if ctx.phase == Phase.LOADING:
         ctx.set_phase(Phase.READY)
         log.info("ready to serve %s after %.1fs", ctx.model_name, time.monotonic() - started)
+        if prefix_cache is not None:
+            prefix_cache.start_saving()
 
 
 def _stop_when_a_rank_dies(
@@ -187,6 +192,7 @@ def create_app(
 ) -> FastAPI:
     ctx = ServerContext(settings)
     factory = engine_factory or default_engine_factory(settings)
+    prefix_cache = PrefixCacheFile(ctx) if settings.prefix_cache_dir is not None else None
 
     def render_metrics() -> Response:
         if ctx.pd is not None:
@@ -199,7 +205,7 @@ def create_app(
         side = None
         if settings.metrics_port is not None:  # bound before the engine loads: scrapes see it load
             side = await serve_side_app(metrics_app(render_metrics), settings.host, settings.metrics_port)
-        loader = asyncio.create_task(_start_serving(ctx, factory, on_fatal))
+        loader = asyncio.create_task(_start_serving(ctx, factory, on_fatal, prefix_cache))
         app.state.loader = loader
         app.state.metrics_server = side
         try:
@@ -210,8 +216,8 @@ def create_app(
             loader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await loader
-            if settings.prefix_cache_dir is not None and ctx.phase == Phase.DRAINING:
-                await prefix_file.persist(ctx)  # drained: nothing runs, every prefix is whole
+            if prefix_cache is not None:
+                await prefix_cache.close(drained=ctx.phase == Phase.DRAINING)
             if settings.disaggregation_mode != "null":
                 from dsv4_engine.server import pd
 

@@ -10,11 +10,12 @@ This module imports no torch: the operator's tests parse rendered command lines.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv4_engine.options import UNLIMITED_CHUNK, EngineOptions, add_flags, positive
+from dsv4_engine.options import UNLIMITED_CHUNK, EngineOptions, add_flags, byte_count, positive
 
 __all__ = ["API_KEY_ENV", "UNLIMITED_CHUNK", "ServerSettings", "build_parser", "parse"]
 
@@ -50,6 +51,8 @@ class ServerSettings(EngineOptions):
     heartbeat_failures: int = 2
     staging_mib: int = 64
     prefix_cache_dir: str | None = None
+    prefix_cache_save_interval: float = 300.0
+    prefix_cache_max_bytes: int | None = None
     log_level: str = "info"
     chat_template: str | None = None  # a template file, or the template itself (`prompts.py`)
     tool_call_parser: str = TOOL_CALL_PARSERS[0]
@@ -70,6 +73,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
     return value
 
 
@@ -192,6 +202,20 @@ def build_parser() -> argparse.ArgumentParser:
         "it starts, so a restarted server, or another of the same checkpoint and memory layout "
         "sharing the directory, resumes prompts it has seen from the cache (docs/memory.md) (default: "
         "none: the cache lives and dies with the process)",
+    )
+    p.add_argument(
+        "--prefix-cache-save-interval",
+        type=_seconds,
+        default=300.0,
+        help="with --prefix-cache-dir: seconds between saves while serving, each only if the cache "
+        "changed, so a crash loses at most this much; 0 saves only after a drain",
+    )
+    p.add_argument(
+        "--prefix-cache-max-bytes",
+        type=byte_count,
+        help="with --prefix-cache-dir: the file's size cap (bytes, or with Ki, Mi, Gi, Ti), filled "
+        "with the most recently used prefixes; size it to what the drain's grace period can write "
+        "(default: every prefix)",
     )
     p.add_argument(
         "--chat-template",

@@ -355,6 +355,11 @@ class ServerMetrics:
             "its log line says why).",
             registry=r,
         )
+        self.prefix_saved = Gauge(
+            f"{PREFIX}_prefix_cache_saved_prefixes",
+            "Prefixes the last save to --prefix-cache-dir wrote (0: none saved yet).",
+            registry=r,
+        )
         r.register(_EngineCollector(engine_snapshot))
         r.register(_VllmCollector(self, engine_snapshot))
 

@@ -103,6 +103,10 @@ def check(settings: ServerSettings) -> ServerSettings:
         built.scheduler_config(())  # the scheduler's own rules (the step budget holds a page)
     except (ValueError, RuntimeError) as exc:
         raise SettingsError(_flag_in(str(exc)), str(exc)) from exc
+    if settings.prefix_cache_max_bytes is not None and settings.prefix_cache_dir is None:
+        raise SettingsError(
+            "--prefix-cache-max-bytes", "caps the file of --prefix-cache-dir, which is not set"
+        )
     if settings.prefix_cache_dir is not None:
         if settings.disable_radix_cache:
             raise SettingsError("--prefix-cache-dir", "needs the prefix cache (drop --disable-radix-cache)")

@@ -90,8 +90,6 @@ class ServerContext:
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         self.fingerprint: dict[str, Any] | None = None
-        # --prefix-cache-dir: the fingerprint the cache file is written under (server/prefix_file.py).
-        self.prefix_fingerprint: dict[str, Any] | None = None
         self.transport: Transport | None = None
         self.bootstrap_server: BootstrapServer | None = None
         self.faults: FaultHooks | None = None
