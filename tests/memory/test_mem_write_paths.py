@@ -14,7 +14,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from dsv4_engine.disagg.protocol import page_digests, stage_segments
+from dsv4_engine.disagg.faults import page_digests
+from dsv4_engine.disagg.protocol import stage_segments
 from dsv4_engine.disagg.transfer import (
     COSTS,
     PATHS,

@@ -56,7 +56,7 @@ def _update(h: Any, buffers: list[torch.Tensor], ids: list[int]) -> None:
     for page in ids:  # page-major: the prefill digests job by job, each a slice of the page list
         if page:
             for buf in buffers:
-                h.update(buf[page].contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(buf[page].contiguous().view(torch.uint8).cpu().numpy().tobytes())
 
 
 def page_digests(kv_pool: Dsv4TokenToKVPool, pages: dict[StateType, list[int]]) -> dict[str, str]:
@@ -79,7 +79,7 @@ def poisoned(kv_pool: Dsv4TokenToKVPool, pages: dict[StateType, list[int]]) -> l
     for state_type, ids in pages.items():
         index = torch.tensor([p for p in ids if p], dtype=torch.long)
         if index.numel() and any(
-            bool(buf.index_select(0, index).isnan().any()) for buf in buffers[state_type]
+            bool(buf.index_select(0, index.to(buf.device)).isnan().any()) for buf in buffers[state_type]
         ):
             out.append(str(state_type))
     return out

@@ -154,23 +154,6 @@ def stage_segments(
     return at
 
 
-def page_digests(kv_pool: Dsv4TokenToKVPool, pages: dict[StateType, list[int]]) -> dict[str, str]:
-    """sha256 per state type of the bytes of `pages` (list order, sentinels skipped) in every buffer
-    of that type: equal on both sides exactly when the transfer copied every byte (test hook)."""
-    import hashlib
-
-    buffers = kv_pool.buffers_by_type()
-    out = {}
-    for state_type, ids in pages.items():
-        h = hashlib.sha256()
-        for buf in buffers[state_type]:
-            for page in ids:
-                if page:
-                    h.update(buf[page].contiguous().view(torch.uint8).numpy().tobytes())
-        out[str(state_type)] = h.hexdigest()
-    return out
-
-
 def quarantine_seconds(env: dict[str, str]) -> float:
     """How long a decode keeps pages a late write may land in when the prefill cannot say whether one
     still can (stalled or unreachable): Mooncake's transfer timeout plus a margin."""
