@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -386,7 +386,7 @@ class LLMEngine:
         read = drafter.cache.export_window if drafter is not None else None
         return export_prefixes(self.allocator, self.kv_pool, self.runner.apply_state_copies, read, max_bytes)
 
-    def import_prefix_cache(self, records: list[PrefixRecord]) -> int:
+    def import_prefix_cache(self, records: Iterable[PrefixRecord]) -> int:
         """Cache what `export_prefix_cache` gave (an engine whose layout fingerprint is this one's,
         docs/memory.md "Persistent snapshots"), as long as free pages last; returns how many prefixes.
         Before traffic. On a parallel server every rank writes the same pages: the allocator's

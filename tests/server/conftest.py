@@ -175,13 +175,17 @@ class ServeProcess:
 
 @pytest.fixture
 def serve_process(tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
-    """Start `dsv4 serve ARGS` (`serve_process(*args, timeout=..., env=...)`), returned once healthy;
-    every one still running is killed at the end of the test."""
+    """Start `dsv4 serve ARGS` (`serve_process(*args, timeout=..., env=..., port=...)`: a free port
+    unless given, as a restarted server keeps its own), returned once healthy; every one still running
+    is killed at the end of the test."""
     started: list[ServeProcess] = []
 
-    def start(*args: str, timeout: float = 300.0, env: dict[str, str] | None = None) -> ServeProcess:
+    def start(
+        *args: str, timeout: float = 300.0, env: dict[str, str] | None = None, port: int | None = None
+    ) -> ServeProcess:
         env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", **(env or {})}
-        server = ServeProcess(list(args), free_port(), tmp_path / f"serve-{len(started)}.log", env)
+        port = port if port is not None else free_port()
+        server = ServeProcess(list(args), port, tmp_path / f"serve-{len(started)}.log", env)
         started.append(server)
         wait_until(server.healthy, timeout, f"dsv4 serve {' '.join(args)} to become healthy")
         return server

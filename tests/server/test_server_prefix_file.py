@@ -1,12 +1,14 @@
-"""`dsv4 serve --prefix-cache-dir`: a draining server writes its prefix cache to the directory and the
-next server started on it resumes those prompts from the cache, answering as the first did; a server
-of another memory layout names the difference in its log and starts cold."""
+"""`dsv4 serve --prefix-cache-dir`: a server writes its prefix cache to a file of its own in the
+directory (while it serves and when it drains) and the next server started on it resumes those prompts
+from the cache, answering as the first did; a server of another memory layout names the difference in
+its log and starts cold."""
 
 from __future__ import annotations
 
 import json
 import re
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,10 @@ NAME = "dsv4-tiny"
 SYSTEM = " ".join(f"rule{i} keep answers short and exact" for i in range(60))  # several pages
 
 
-def _chat(base: str, question: str) -> tuple[str, int]:
+def _chat(base: str, question: str, system: str = SYSTEM) -> tuple[str, int]:
     body = {
         "model": NAME,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
         "max_tokens": 8,
         "temperature": 0,
         "ignore_eos": True,
@@ -35,55 +37,15 @@ def _args(checkpoint: Path, cache_dir: Path) -> tuple[str, ...]:
     return ("--model", str(checkpoint), "--served-model-name", NAME, "--prefix-cache-dir", str(cache_dir))
 
 
+def _own_file(cache_dir: Path, port: int) -> Path:
+    from dsv4_engine.server.prefix_file import file_name
+
+    return cache_dir / file_name(f"{socket.gethostname()}-{port}")
+
+
 def _drain(server: Any) -> None:
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(120) == 0, server.log()[-4000:]
-
-
-def test_a_restarted_server_resumes_from_the_saved_cache(
-    tiny_checkpoint: Path, serve_process: Any, tmp_path: Path
-) -> None:
-    cache_dir = tmp_path / "prefixes"
-    args = _args(tiny_checkpoint, cache_dir)
-    first = serve_process(*args)
-    assert "no prefix-cache.safetensors yet" in first.log() or "starting cold" in first.log()
-    _chat(first.base, "What is one plus one?")
-    answer, cached = _chat(first.base, "Name a colour.")
-    assert cached > 0  # the system prompt, from the first request
-    _drain(first)
-    assert (cache_dir / "prefix-cache.safetensors").is_file()
-    assert "prefix cache: saved" in first.log()
-
-    # Fewer pages than the first server had: the records still fit, the fingerprint ignores pool sizes.
-    second = serve_process(*args, "--num-pages", "96")
-    imported = re.search(r"prefix cache: imported (\d+) of (\d+) prefixes", second.log())
-    assert imported is not None and imported[1] == imported[2] != "0", second.log()[-2000:]
-    metrics = httpx.get(f"{second.base}/metrics", timeout=30).text
-    assert re.search(rf"^dsv4_prefix_cache_imported_prefixes {imported[1]}(\.0)?$", metrics, re.M)
-    again, resumed = _chat(second.base, "Name a colour.")
-    assert again == answer
-    assert resumed >= cached  # the saved cache holds this very prompt's last boundary too
-    httpx.post(f"{second.base}/flush_cache", timeout=60).raise_for_status()
-    _drain(second)
-
-    # Another page size is another layout: the file is refused by name and the server starts cold.
-    other = serve_process(*args, "--page-size", "256")
-    assert "written by a server of another layout" in other.log()
-    assert "page_size" in other.log()
-    assert "dsv4_prefix_cache_imported_prefixes 0.0" in httpx.get(f"{other.base}/metrics", timeout=30).text
-    assert _chat(other.base, "Name a colour.")[1] == 0
-    other.stop()
-
-    # A damaged file never stops a server from starting: it starts cold and says why.
-    path = cache_dir / "prefix-cache.safetensors"
-    path.write_bytes(path.read_bytes()[:1000])
-    # Under a size cap no prefix fits: the drain leaves the file as it was.
-    damaged = serve_process(*args, "--prefix-cache-max-bytes", "1Ki")
-    assert "prefix cache: not loaded, starting cold" in damaged.log()
-    assert _chat(damaged.base, "Name a colour.")[1] == 0
-    _drain(damaged)
-    assert "no prefix fits --prefix-cache-max-bytes" in damaged.log()
-    assert path.stat().st_size == 1000
 
 
 def _gauge(base: str, name: str) -> float:
@@ -92,24 +54,75 @@ def _gauge(base: str, name: str) -> float:
     return float(found[1])
 
 
+def test_a_restarted_server_resumes_from_the_saved_cache(
+    tiny_checkpoint: Path, serve_process: Any, free_port_factory: Any, tmp_path: Path
+) -> None:
+    """The same server (its port) restarted: its own file is imported, the same answers come back
+    resumed from it; a server of another layout refuses the file by name; a damaged one is passed
+    over with a log line."""
+    cache_dir, port = tmp_path / "prefixes", free_port_factory()
+    args = _args(tiny_checkpoint, cache_dir)
+    first = serve_process(*args, port=port)
+    assert "starting cold" in first.log()
+    _chat(first.base, "What is one plus one?")
+    answer, cached = _chat(first.base, "Name a colour.")
+    assert cached > 0  # the system prompt, from the first request
+    _drain(first)
+    path = _own_file(cache_dir, port)
+    assert path.is_file() and [p.name for p in cache_dir.iterdir()] == [path.name]
+    assert "prefix cache: saved" in first.log()
+
+    # Fewer pages than the first server had: the records still fit, the fingerprint ignores pool sizes.
+    second = serve_process(*args, "--num-pages", "96", port=port)
+    imported = re.search(r"prefix cache: imported (\d+) of (\d+) prefixes from (\S+)", second.log())
+    assert imported is not None and imported[1] == imported[2] != "0", second.log()[-2000:]
+    assert imported[3] == str(path)
+    assert _gauge(second.base, "dsv4_prefix_cache_imported_prefixes") == int(imported[1])
+    again, resumed = _chat(second.base, "Name a colour.")
+    assert again == answer
+    assert resumed >= cached  # the saved cache holds this very prompt's last boundary too
+    httpx.post(f"{second.base}/flush_cache", timeout=60).raise_for_status()
+    _drain(second)
+
+    # Another page size is another layout: the file is refused by name and the server starts cold.
+    other = serve_process(*args, "--page-size", "256", port=port)
+    assert "written by a server of another layout" in other.log()
+    assert "page_size" in other.log()
+    assert _gauge(other.base, "dsv4_prefix_cache_imported_prefixes") == 0
+    assert _chat(other.base, "Name a colour.")[1] == 0
+    other.stop()
+
+    # A damaged file never stops a server from starting: it starts cold and says why.
+    path.write_bytes(path.read_bytes()[:1000])
+    # Under a size cap no prefix fits: the drain leaves the file as it was.
+    damaged = serve_process(*args, "--prefix-cache-max-bytes", "1Ki", port=port)
+    assert (
+        f"prefix cache: {path.name}: " in damaged.log() and "(imported 0 prefixes before it)" in damaged.log()
+    )
+    assert _chat(damaged.base, "Name a colour.")[1] == 0
+    _drain(damaged)
+    assert "no prefix fits --prefix-cache-max-bytes" in damaged.log()
+    assert path.stat().st_size == 1000
+
+
 def test_a_server_saves_while_serving_so_a_crash_keeps_the_cache(
-    tiny_checkpoint: Path, serve_process: Any, until: Any, tmp_path: Path
+    tiny_checkpoint: Path, serve_process: Any, until: Any, free_port_factory: Any, tmp_path: Path
 ) -> None:
     """With a save interval the file is written while the server serves, not only at a drain: a server
     killed without draining (SIGKILL: an OOM kill, a lost node) leaves it, and the next server imports
     it and resumes the prompt from it."""
-    cache_dir = tmp_path / "prefixes"
+    cache_dir, port = tmp_path / "prefixes", free_port_factory()
     args = _args(tiny_checkpoint, cache_dir)
-    first = serve_process(*args, "--prefix-cache-save-interval", "0.2")
+    first = serve_process(*args, "--prefix-cache-save-interval", "0.2", port=port)
     answer, _ = _chat(first.base, "Name a colour.")
     until(lambda: _gauge(first.base, "dsv4_prefix_cache_saved_prefixes") > 0, 120, "a save while serving")
     assert "prefix cache: saved" in first.log()
     first.proc.kill()
     first.proc.wait(60)
-    with safe_open(str(cache_dir / "prefix-cache.safetensors"), framework="pt") as f:
+    with safe_open(str(_own_file(cache_dir, port)), framework="pt") as f:
         saved = len(json.loads((f.metadata() or {})["records"]))  # the last save's, whichever it was
 
-    second = serve_process(*args, "--prefix-cache-save-interval", "0")
+    second = serve_process(*args, "--prefix-cache-save-interval", "0", port=port)
     assert _gauge(second.base, "dsv4_prefix_cache_imported_prefixes") == saved > 0
     again, resumed = _chat(second.base, "Name a colour.")
     assert again == answer and resumed > 0
@@ -119,10 +132,38 @@ def test_a_server_saves_while_serving_so_a_crash_keeps_the_cache(
     assert second.log().count("prefix cache: saved") == 1
 
     # Unchanged since the import: the drain leaves the file alone.
-    third = serve_process(*args, "--prefix-cache-save-interval", "0")
+    third = serve_process(*args, "--prefix-cache-save-interval", "0", port=port)
     assert _gauge(third.base, "dsv4_prefix_cache_imported_prefixes") > 0
     _drain(third)
     assert "prefix cache: saved" not in third.log()
+
+
+def test_servers_sharing_a_directory_keep_a_file_each(
+    tiny_checkpoint: Path, serve_process: Any, tmp_path: Path
+) -> None:
+    """Two servers on one directory (prefill replicas on one claim) each write their own file; a new
+    server imports both and resumes either one's prompts."""
+    cache_dir = tmp_path / "prefixes"
+    args = _args(tiny_checkpoint, cache_dir)
+    a, b = serve_process(*args), serve_process(*args)
+    other_system = " ".join(f"note{i} answer in full sentences" for i in range(60))
+    want_a = _chat(a.base, "Name a colour.")[0]
+    want_b = _chat(b.base, "Name a colour.", system=other_system)[0]
+    _drain(a)
+    _drain(b)
+    files = sorted(cache_dir.glob("prefix-cache-*.safetensors"))
+    assert len(files) == 2
+    counts = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            counts.append(len(json.loads((f.metadata() or {})["records"])))
+
+    c = serve_process(*args)
+    assert _gauge(c.base, "dsv4_prefix_cache_imported_prefixes") == sum(counts)
+    assert c.log().count("prefix cache: imported") == 2
+    got_a, cached_a = _chat(c.base, "Name a colour.")
+    got_b, cached_b = _chat(c.base, "Name a colour.", system=other_system)
+    assert (got_a, got_b) == (want_a, want_b) and cached_a > 0 and cached_b > 0
 
 
 def test_the_file_keeps_every_record_field(tmp_path: Path) -> None:
@@ -143,7 +184,7 @@ def test_the_file_keeps_every_record_field(tmp_path: Path) -> None:
 
     extra = {"mtp_from": torch.tensor(3), "mtp_rows": torch.randn(7, 8), "mtp_tail": torch.randn(2, 8)}
     records = [PrefixRecord((1, 2, 3, 4), 0, pages(), extra), PrefixRecord((1, 2, 3, 4, 5, 6), 4, pages())]
-    path = tmp_path / prefix_file.FILE_NAME
+    path = tmp_path / prefix_file.file_name("host-30000")
     fingerprint = {"version": 1, "page_size": 4}
     prefix_file.write(path, records, fingerprint)
     back = prefix_file.read(path, fingerprint)

@@ -18,7 +18,7 @@ the longest one that did.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -143,7 +143,7 @@ def write_pages(kv: Dsv4TokenToKVPool, writes: PageWrites) -> None:
 def import_prefixes(
     alloc: Dsv4Allocator,
     kv: Dsv4TokenToKVPool,
-    records: Sequence[PrefixRecord],
+    records: Iterable[PrefixRecord],
     apply_copies: Callable[[], None],
     write: Callable[[PageWrites], None] | None = None,
     write_extra: WriteExtra | None = None,

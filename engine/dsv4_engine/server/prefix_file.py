@@ -1,15 +1,16 @@
 """`dsv4 serve --prefix-cache-dir DIR`: the prefix cache's snapshots on disk.
 
-A server writes the prefixes its cache can resume at (`Engine.export_prefix_cache`) to
-DIR/prefix-cache.safetensors every `--prefix-cache-save-interval` seconds while it serves, when the
-cache changed, and once more after it drains; a starting one imports them before it reports ready. So
-the first requests after a restart (a crash loses at most an interval), or on a new replica sharing DIR,
-resume from the cache instead of prefilling again. `--prefix-cache-max-bytes` caps the file: the most
-recently used prefixes that fit. The file carries the writer's layout fingerprint
-(disagg/fingerprint.py: page size, dtypes, geometry, every buffer's page bytes, the checkpoint's
-digest); a server whose fingerprint differs names the first differing field and starts cold. The file
-is written to a temporary name and renamed, so a reader never sees half of one, and when servers share
-DIR the last to save wins. A missing, unreadable or mismatched file never stops a server from starting.
+A server writes the prefixes its cache can resume at (`Engine.export_prefix_cache`) to a file of its
+own, DIR/prefix-cache-<host>-<port>.safetensors, every `--prefix-cache-save-interval` seconds while it
+serves, when the cache changed, and once more after it drains; a starting one imports its own file,
+then the other servers' in DIR, before it reports ready. So the first requests after a restart (a
+crash loses at most an interval), or on a new replica sharing DIR, resume from the cache instead of
+prefilling again. `--prefix-cache-max-bytes` caps the file: the most recently used prefixes that fit.
+A file carries its writer's layout fingerprint (disagg/fingerprint.py: page size, dtypes, geometry,
+every buffer's page bytes, the checkpoint's digest); a server whose fingerprint differs names the
+first differing field and passes the file over. A file is written to a temporary name and renamed, so
+a reader never sees half of one. A missing, unreadable or mismatched file never stops a server from
+starting.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import contextlib
 import json
 import logging
 import os
+import re
+import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +35,7 @@ from dsv4_engine.server.state import Phase, ServerContext
 
 log = logging.getLogger("dsv4.server")
 
-FILE_NAME = "prefix-cache.safetensors"
+FILE_STEM = "prefix-cache"
 
 
 def write(path: Path, records: list[PrefixRecord], fingerprint: dict[str, Any]) -> None:
@@ -63,8 +67,11 @@ def _buffer_counts(rec: PrefixRecord) -> dict[str, int]:
     return {state_type.name: len(buffers) for state_type, buffers in rec.pages.items()}
 
 
-def read(path: Path, fingerprint: dict[str, Any]) -> list[PrefixRecord]:
-    """The records of a file written under `fingerprint`; ValueError naming what differs otherwise."""
+@contextlib.contextmanager
+def opened(path: Path, fingerprint: dict[str, Any]) -> Iterator[tuple[int, Iterator[PrefixRecord]]]:
+    """A file written under `fingerprint`: its record count, and its records, each read from the file
+    when the iteration reaches it (an import holds one record in host memory at a time, and one that
+    stops when the pools are full reads no further). ValueError naming what differs otherwise."""
     from safetensors import safe_open
 
     from dsv4_engine.disagg.fingerprint import fingerprint_diff
@@ -79,15 +86,23 @@ def read(path: Path, fingerprint: dict[str, Any]) -> list[PrefixRecord]:
         diff = fingerprint_diff(fingerprint, theirs)
         if diff is not None:
             raise ValueError(f"{path} was written by a server of another layout: {diff}")
-        records = []
-        for i, entry in enumerate(index):
-            pages: dict[StateType, list[torch.Tensor]] = {}
-            for name, count in entry["buffers"].items():
-                pages[StateType[name]] = [f.get_tensor(f"{i}.{name}.{b}") for b in range(count)]
-            tokens = tuple(f.get_tensor(f"{i}.tokens").tolist())
-            extra = {k: f.get_tensor(f"{i}.extra.{k}") for k in entry.get("extra", [])}
-            records.append(PrefixRecord(tokens, int(entry["base"]), pages, extra))
-    return records
+
+        def records() -> Iterator[PrefixRecord]:
+            for i, entry in enumerate(index):
+                pages: dict[StateType, list[torch.Tensor]] = {}
+                for name, count in entry["buffers"].items():
+                    pages[StateType[name]] = [f.get_tensor(f"{i}.{name}.{b}") for b in range(count)]
+                tokens = tuple(f.get_tensor(f"{i}.tokens").tolist())
+                extra = {k: f.get_tensor(f"{i}.extra.{k}") for k in entry.get("extra", [])}
+                yield PrefixRecord(tokens, int(entry["base"]), pages, extra)
+
+        yield len(index), records()
+
+
+def read(path: Path, fingerprint: dict[str, Any]) -> list[PrefixRecord]:
+    """Every record of a file written under `fingerprint` (`opened`)."""
+    with opened(path, fingerprint) as (_, records):
+        return list(records)
 
 
 async def _fingerprint(ctx: ServerContext) -> dict[str, Any]:
@@ -102,16 +117,26 @@ async def _fingerprint(ctx: ServerContext) -> dict[str, Any]:
     return layout_fingerprint(engine.layout, engine.kv_pool.pd_state_components(), digest)
 
 
+def file_name(owner: str) -> str:
+    """The file a server named `owner` writes (hostname and port: a StatefulSet pod's name is stable
+    across its restarts, and local servers differ by port)."""
+    return f"{FILE_STEM}-{re.sub(r'[^A-Za-z0-9._-]', '_', owner)}.safetensors"
+
+
 class PrefixCacheFile:
     """A server's --prefix-cache-dir: imported at start, then saved every `--prefix-cache-save-interval`
     seconds while the server serves (when the cache changed; so a crash loses at most an interval),
-    and once more after a drain. The one writer of the file for this process: saves never overlap."""
+    and once more after a drain. Each server writes a file of its own, so servers sharing DIR (a
+    Dsv4Deployment's prefill replicas on one claim) never overwrite each other; a starting server
+    imports its own file first, then the others', newest first, while its pools have room. The one
+    writer of its file for this process: saves never overlap."""
 
     def __init__(self, ctx: ServerContext) -> None:
         settings = ctx.settings
         assert settings.prefix_cache_dir is not None
         self.ctx = ctx
-        self.path = Path(settings.prefix_cache_dir) / FILE_NAME
+        self.dir = Path(settings.prefix_cache_dir)
+        self.path = self.dir / file_name(f"{socket.gethostname()}-{settings.port}")
         self.interval = settings.prefix_cache_save_interval
         self.max_bytes = settings.prefix_cache_max_bytes
         self.fingerprint: dict[str, Any] | None = None
@@ -120,34 +145,54 @@ class PrefixCacheFile:
         self._stop = asyncio.Event()
         self._saver: asyncio.Task[None] | None = None
 
+    def files(self) -> list[Path]:
+        """The files to import: this server's, then the others' (every server's that shared DIR, and
+        an older version's single file), newest first."""
+        others = [p for p in self.dir.glob(f"{FILE_STEM}*.safetensors") if p != self.path]
+        others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        return [self.path, *others] if self.path.exists() else others
+
     async def restore(self) -> None:
-        """At start, before ready: import the file if there is one written under this layout."""
+        """At start, before ready: import the files written under this layout, while pools have room."""
         ctx = self.ctx
         assert ctx.bridge is not None
         self.fingerprint = await _fingerprint(ctx)
-        if not self.path.exists():
-            log.info("prefix cache: no %s yet; starting cold", self.path)
+        fingerprint = self.fingerprint
+        files = self.files()
+        if not files:
+            log.info("prefix cache: no %s* in %s yet; starting cold", FILE_STEM, self.dir)
             return
-        started = time.monotonic()
-        try:
-            records = await asyncio.to_thread(read, self.path, self.fingerprint)
-        except Exception as exc:  # unreadable, truncated, not safetensors, another layout: start cold
-            log.warning("prefix cache: not loaded, starting cold: %s", exc)
-            return
-        try:
-            done, version = await ctx.bridge.run(
-                lambda engine: (engine.import_prefix_cache(records), engine.prefix_cache_version())
-            )
-        except ValueError as exc:  # a damaged record; the ones before it are cached
-            log.warning("prefix cache: import stopped: %s", exc)
-            return
-        ctx.metrics.prefix_imported.set(done)
-        if done == len(records):
-            self.saved_version = version  # the file holds what the cache holds: no save until it changes
-        log.info(
-            "prefix cache: imported %d of %d prefixes from %s in %.2fs",
-            done, len(records), self.path, time.monotonic() - started,
-        )  # fmt: skip
+        imported, own_version = 0, None
+        for path in files:
+            started = time.monotonic()
+
+            def load(engine: Any, path: Path = path) -> tuple[int, int, int, str | None]:
+                before = engine.metrics()["prefix_cache_snapshots"]
+                count, error = 0, None
+                try:
+                    with opened(path, fingerprint) as (count, records):
+                        engine.import_prefix_cache(records)
+                # Unreadable, another layout's, a damaged record: the records before it stay cached.
+                except Exception as exc:
+                    error = str(exc)
+                done = int(engine.metrics()["prefix_cache_snapshots"] - before)
+                return count, done, engine.prefix_cache_version(), error
+
+            count, done, version, error = await ctx.bridge.run(load)
+            imported += done
+            if error is not None:
+                log.warning("prefix cache: %s: %s (imported %d prefixes before it)", path.name, error, done)
+                continue
+            log.info(
+                "prefix cache: imported %d of %d prefixes from %s in %.2fs",
+                done, count, path, time.monotonic() - started,
+            )  # fmt: skip
+            if path == self.path and done == count:
+                own_version = version
+            elif done and own_version is not None:
+                own_version = None  # the cache holds more than this server's file
+        self.saved_version = own_version  # the file holds what the cache holds: no save until it changes
+        ctx.metrics.prefix_imported.set(imported)
 
     def start_saving(self) -> None:
         """Once serving: save every interval (none when the interval is 0: only after a drain)."""
