@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +37,9 @@ def _args(checkpoint: Path, cache_dir: Path) -> tuple[str, ...]:
 
 
 def _own_file(cache_dir: Path, port: int) -> Path:
-    from dsv4_engine.server.prefix_file import file_name
+    from dsv4_engine.server.prefix_file import file_name, owner_name
 
-    return cache_dir / file_name(f"{socket.gethostname()}-{port}")
+    return cache_dir / file_name(owner_name(port))
 
 
 def _drain(server: Any) -> None:
@@ -200,3 +199,15 @@ def test_the_file_keeps_every_record_field(tmp_path: Path) -> None:
             assert torch.equal(got.extra[k], want.extra[k])
     with pytest.raises(ValueError, match="page_size"):
         prefix_file.read(path, {"version": 1, "page_size": 8})
+
+
+def test_a_file_is_named_after_its_pod_and_port() -> None:
+    """POD_NAME (the operator's pods carry it; on the host network the hostname is the node's), else
+    the hostname; then the port. Characters a file name should not hold become underscores."""
+    import socket
+
+    from dsv4_engine.server.prefix_file import file_name, owner_name
+
+    assert owner_name(30000, {"POD_NAME": "dsv4-a-prefill-1"}) == "dsv4-a-prefill-1-30000"
+    assert owner_name(30001, {}) == f"{socket.gethostname()}-30001"
+    assert file_name("a/b c-1") == "prefix-cache-a_b_c-1.safetensors"

@@ -23,7 +23,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,9 +118,15 @@ async def _fingerprint(ctx: ServerContext) -> dict[str, Any]:
 
 
 def file_name(owner: str) -> str:
-    """The file a server named `owner` writes (hostname and port: a StatefulSet pod's name is stable
-    across its restarts, and local servers differ by port)."""
+    """The file a server named `owner` writes (`owner_name`)."""
     return f"{FILE_STEM}-{re.sub(r'[^A-Za-z0-9._-]', '_', owner)}.safetensors"
+
+
+def owner_name(port: int, env: Mapping[str, str] = os.environ) -> str:
+    """This server's name for its file: its pod's name (POD_NAME, which the operator's pods carry: a
+    StatefulSet pod keeps it across restarts, and on the host network the hostname is the node's), or
+    the hostname; and its port, by which local servers differ."""
+    return f"{env.get('POD_NAME') or socket.gethostname()}-{port}"
 
 
 class PrefixCacheFile:
@@ -136,7 +142,7 @@ class PrefixCacheFile:
         assert settings.prefix_cache_dir is not None
         self.ctx = ctx
         self.dir = Path(settings.prefix_cache_dir)
-        self.path = self.dir / file_name(f"{socket.gethostname()}-{settings.port}")
+        self.path = self.dir / file_name(owner_name(settings.port))
         self.interval = settings.prefix_cache_save_interval
         self.max_bytes = settings.prefix_cache_max_bytes
         self.fingerprint: dict[str, Any] | None = None
