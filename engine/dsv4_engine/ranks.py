@@ -36,6 +36,7 @@ from typing import Any, Literal
 import torch
 
 from dsv4_engine.config import Dsv4Config
+from dsv4_engine.device import select_device
 from dsv4_engine.engine_config import EngineConfig
 from dsv4_engine.memory import Dsv4MemoryLayout, Dsv4TokenToKVPool, PagedMemory, PoolSizes
 from dsv4_engine.memory.prefix_store import PageWrites, write_pages
@@ -169,6 +170,17 @@ class WorkerArgs:
     log_level: int  # rank 0's: the ranks log as it does, their lines marked with their rank
     link: multiprocessing.connection.Connection  # the rank's end of its pipe to rank 0
     service: RankService | None  # what the rank runs on its link beside the steps
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The device travels by name: unpickling torch.device("npu") in the new process needs
+        # torch_npu imported first, which happens there only when the device asks for it.
+        cfg = dataclasses.replace(self.cfg, device=torch.device("cpu"))
+        fields = (self.rank, self.init_method, self.log_level, self.link, self.service)
+        return _worker_args, (str(self.cfg.device), cfg, *fields)
+
+
+def _worker_args(device: str, cfg: EngineConfig, *fields: Any) -> WorkerArgs:
+    return WorkerArgs(dataclasses.replace(cfg, device=select_device(device)), *fields)
 
 
 # What a rank runs on its thread beside the steps, given its link to rank 0, its pools, the steps'

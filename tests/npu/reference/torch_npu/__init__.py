@@ -15,7 +15,7 @@ is rebound on every import and given back by `_generator.uninstall()` (the tests
 
 from __future__ import annotations
 
-from . import _device, _generator, reference
+from . import _device, _generator, _hccl, reference
 from . import _streams as _streams  # tests reach its StreamHazard and record through the package
 from . import npu as npu
 from .ops import *  # noqa: F403  (the op functions, as torch_npu exposes them)
@@ -23,6 +23,7 @@ from .ops import __all__ as _ops
 
 _device.install(npu)
 _generator.install()
+_hccl.install()
 
 __version__ = "2.14.0"
 __all__ = ["npu", "reference", *_ops]
