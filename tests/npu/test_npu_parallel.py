@@ -5,9 +5,9 @@ the "npu" tensors' host memory; with DSV4_TORCH_NPU=real the same test runs real
 The greedy tokens equal the CPU path's on one rank, the pools are whole afterwards, and every rank
 exits 0.
 
-The reference's graphs record the ops that run through it, and gloo does not, so a collective inside
-an aclgraph capture is refused there (HCCL's would be captured): tensor-parallel NPU decode runs
-eagerly on the reference."""
+Decode runs as aclgraphs, as on Ascend: each rank captures its buckets with the all-reduces inside
+(the reference records its "hccl" all-reduce as a device op, so every replay sums again), and the
+reference checks the all-reduce's order against the MoE's second stream as any op's."""
 
 from __future__ import annotations
 
@@ -50,13 +50,23 @@ def test_two_ranks_on_npu_answer_as_one_cpu_rank(
         want = _greedy(cpu)
     finally:
         cpu.close()
-    with importable_torch_npu():
-        llm = LLM(str(checkpoint), device="npu", tp_size=2, enforce_eager=True, **OPTIONS)
+    with importable_torch_npu() as torch_npu:
+        reference = getattr(torch_npu, "reference", None)
+        llm = LLM(str(checkpoint), device="npu", tp_size=2, enforce_eager=False, **OPTIONS)
         workers = llm.engine.workers
         try:
             assert llm.engine.prewarm_seconds > 0  # each group's first collective, before traffic
             assert next(llm.engine.model.parameters()).device == torch.device("npu", 0)
+            runner = llm.engine.runner.decode_runner()
+            assert runner.mode == "graph" and runner.num_compiles == len(runner.buckets)
+            replays = {bs: len(getattr(runner._graphs[bs], "replays", ())) for bs in runner.buckets}
             got = _greedy(llm)
+            if reference is not None:  # the replays ran the captured all-reduces (each layer's, and more)
+                for bs in runner.buckets:
+                    graph = runner._graphs[bs]
+                    layers = len(llm.engine.model.model.layers)
+                    assert sum(e.name == "hccl::allreduce" for e in graph.tape) >= layers
+                assert any(len(runner._graphs[bs].replays) > replays[bs] for bs in runner.buckets)
             m = llm.engine.metrics()
             assert all(
                 m[f"pool_available/{f}"] == m[f"pool_total/{f}"] for f in ("full", "swa", "c4s", "c128s")
@@ -67,9 +77,10 @@ def test_two_ranks_on_npu_answer_as_one_cpu_rank(
     assert got == want
 
 
-def test_the_reference_hccl_refuses_a_collective_in_a_capture(reference_npu: ModuleType) -> None:
-    """One rank is enough to see it: an all-reduce on "npu" tensors runs (and sums in place) eagerly,
-    and raises inside an aclgraph capture instead of being left out of the replays."""
+def test_the_reference_hccl_all_reduce_is_a_captured_device_op(reference_npu: ModuleType) -> None:
+    """One rank is enough to see it: an all-reduce on "npu" tensors sums in place eagerly, and inside
+    an aclgraph capture it is recorded as a task of the graph (so replays run it); a tensor HCCL would
+    refuse is refused."""
     dist = torch.distributed
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,12 +93,16 @@ def test_the_reference_hccl_refuses_a_collective_in_a_capture(reference_npu: Mod
         x = torch.full((4,), 2.0, device="npu")
         dist.all_reduce(x)
         assert x.device.type == "npu" and x.cpu().tolist() == [2.0] * 4
-        with (
-            pytest.raises(RuntimeError, match="cannot record a collective"),
-            torch.npu.graph(torch.npu.NPUGraph()),
-        ):
+        graph = torch.npu.NPUGraph()
+        with torch.npu.graph(graph):
             dist.all_reduce(x)
-        with pytest.raises(RuntimeError, match="contiguous"):
-            dist.all_reduce(torch.zeros(4, 4, device="npu").t())
+        assert [e.name for e in graph.tape] == ["hccl::allreduce"]
+        graph.replay()
+        for bad, why in (
+            (torch.zeros(4, 4, device="npu").t(), "contiguous"),
+            (torch.zeros(4), "npu tensors"),
+        ):
+            with pytest.raises(RuntimeError, match=why):
+                dist.all_reduce(bad)
     finally:
         dist.destroy_process_group()

@@ -7,9 +7,10 @@ same name gives a group whose collectives run gloo's on the tensors' host aliase
 does. The engine needs `all_reduce` (the forward's sums, the prewarm) and `barrier`; every other
 collective raises, so a new caller is noticed rather than silently served.
 
-What it cannot be: a collective captured into an aclgraph (HCCL's are; the reference's graphs record
-the ops that run through `_device.execute`, and gloo does not), so one issued while a capture is in
-progress raises rather than running once at capture and never at replay.
+Each all-reduce is a device op of the reference (`_device.execute`): issued on the current stream, so
+its order against work on other streams is checked as any op's, and recorded into an aclgraph being
+captured, so every replay sums again, as HCCL's captured task does. Every rank must capture and replay
+its graphs in the same order (the engine's ranks do: the same buckets, the same steps).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
 
 from . import _device
 
@@ -34,14 +36,22 @@ class ReferenceHccl(dist.ProcessGroup):
         return NAME
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        if _device._state.capturing is not None:
-            raise RuntimeError("the reference hccl cannot record a collective into an aclgraph capture")
         for t in tensors:
             if t.device.type != _device.NAME:
                 raise RuntimeError(f"hccl all_reduce takes npu tensors, got one on {t.device}")
             if not t.is_contiguous():
                 raise RuntimeError("hccl all_reduce takes contiguous tensors")
-        return self._gloo.allreduce([_device.host_alias(t) for t in tensors], opts)
+
+        def run(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            self._gloo.allreduce([_device.host_alias(t) for t in ts], opts).wait()
+            return ts
+
+        # A device op on the current stream, in place: ordered against the other streams' work like
+        # any op, and, inside a capture, recorded so that every replay sums again (as HCCL's task).
+        _device.execute("hccl::allreduce", run, tuple(tensors), {}, written=list(tensors))
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        done.set_result(tensors)
+        return _create_work_from_future(done)
 
     def barrier(self, opts: Any) -> Any:
         return self._gloo.barrier(opts)
