@@ -83,12 +83,11 @@ class PvcSource(_Model):
 
 
 class PrefixCacheVolume(PvcSource):
-    """Where prefill servers keep their prefix cache (`dsv4 serve --prefix-cache-dir`)."""
+    """Where prefill servers keep their prefix cache (`dsv4 serve --prefix-cache-dir`): maxSize is
+    their --prefix-cache-max-bytes, saveIntervalSeconds their --prefix-cache-save-interval."""
 
-    max_size: Annotated[str, Field(pattern=BYTE_SIZE_RE, max_length=32)] | None = (
-        None  # --prefix-cache-max-bytes
-    )
-    save_interval_seconds: Annotated[int, Field(ge=0, le=86400)] | None = None  # --prefix-cache-save-interval
+    max_size: Annotated[str, Field(pattern=BYTE_SIZE_RE, max_length=32)] | None = None
+    save_interval_seconds: Annotated[int, Field(ge=0, le=86400)] | None = None
 
 
 class HostPathSource(_Model):

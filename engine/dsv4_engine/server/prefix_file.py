@@ -154,8 +154,15 @@ class PrefixCacheFile:
     def files(self) -> list[Path]:
         """The files to import: this server's, then the others' (every server's that shared DIR, and
         an older version's single file), newest first."""
+
+        def mtime(p: Path) -> float:
+            try:
+                return p.stat().st_mtime
+            except OSError:  # removed meanwhile: its import says so
+                return 0.0
+
         others = [p for p in self.dir.glob(f"{FILE_STEM}*.safetensors") if p != self.path]
-        others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        others.sort(key=mtime, reverse=True)
         return [self.path, *others] if self.path.exists() else others
 
     async def restore(self) -> None:
@@ -244,7 +251,7 @@ class PrefixCacheFile:
                 version, got = await ctx.bridge.run(export)
                 if got is None:
                     return
-                read_s = time.monotonic() - started  # the engine did not step meanwhile
+                read_s = time.monotonic() - started  # to the step's end, then the read: no step ran
                 if got.busy and serving:
                     log.info("prefix cache: %d prefixes busy; saving at the next interval", got.busy)
                     return
