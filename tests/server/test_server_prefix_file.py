@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,10 +113,12 @@ def test_a_server_saves_while_serving_so_a_crash_keeps_the_cache(
     it and resumes the prompt from it."""
     cache_dir, port = tmp_path / "prefixes", free_port_factory()
     args = _args(tiny_checkpoint, cache_dir)
+    first_started = time.time()
     first = serve_process(*args, "--prefix-cache-save-interval", "0.2", port=port)
     answer, _ = _chat(first.base, "Name a colour.")
     until(lambda: _gauge(first.base, "dsv4_prefix_cache_saved_prefixes") > 0, 120, "a save while serving")
     assert "prefix cache: saved" in first.log()
+    assert _gauge(first.base, "dsv4_prefix_cache_last_save_timestamp_seconds") > first_started
     first.proc.kill()
     first.proc.wait(60)
     with safe_open(str(_own_file(cache_dir, port)), framework="pt") as f:

@@ -360,6 +360,12 @@ class ServerMetrics:
             "Prefixes the last save to --prefix-cache-dir wrote (0: none saved yet).",
             registry=r,
         )
+        self.prefix_saved_at = Gauge(
+            f"{PREFIX}_prefix_cache_last_save_timestamp_seconds",
+            "Unix time of the last save to --prefix-cache-dir (0: none yet); a save is skipped while "
+            "the cache is unchanged, so alert on its age only beside traffic.",
+            registry=r,
+        )
         r.register(_EngineCollector(engine_snapshot))
         r.register(_VllmCollector(self, engine_snapshot))
 

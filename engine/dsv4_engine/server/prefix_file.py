@@ -265,6 +265,7 @@ class PrefixCacheFile:
                 return
             self.saved_version = version
             ctx.metrics.prefix_saved.set(len(got.records))
+            ctx.metrics.prefix_saved_at.set(time.time())
             log.info(
                 "prefix cache: saved %d prefixes to %s in %.2fs (read in %.2fs, between steps)%s",
                 len(got.records), self.path, time.monotonic() - started, read_s,
