@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pathlib
-import tempfile
 from typing import Any
 
 import aiohttp
@@ -90,9 +88,8 @@ async def _serve_webhook(
         hooks = webhook.webhooks(HOOKS, cfg.webhook_config, client_config, cfg.watch_namespaces)
         await webhook.register(api, cfg.webhook_config, hooks)
 
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="dsv4-webhook-"))
     settings.admission.server = webhook.server(
-        cert, key, directory=folder, addr=cfg.webhook_addr, port=cfg.webhook_port, host=hosts[0],
+        cert, key, addr=cfg.webhook_addr, port=cfg.webhook_port, host=hosts[0],
         service=(cfg.namespace, cfg.webhook_service) if cfg.webhook_service else None, on_config=registered,
     )  # fmt: skip
     # settings.admission.managed stays None: the configuration is ours to write (webhook.py says why).

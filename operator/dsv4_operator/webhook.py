@@ -20,6 +20,8 @@ import dataclasses
 import datetime
 import ipaddress
 import pathlib
+import shutil
+import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -223,13 +225,13 @@ async def shared_certificate(
 
 
 def server(
-    cert: bytes, key: bytes, *, directory: pathlib.Path, addr: str, port: int, host: str,
+    cert: bytes, key: bytes, *, addr: str, port: int, host: str,
     service: tuple[str, str] | None = None,
     on_config: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> kopf.WebhookServer:  # fmt: skip
     """A TLS admission server; registered by URL (https://host:port), or by `service` (namespace, name).
     `on_config` gets each client config the server yields, before kopf does (the registration)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = pathlib.Path(tempfile.mkdtemp(prefix="dsv4-webhook-"))  # 0700: kopf reads files only
     certfile, keyfile = directory / "tls.crt", directory / "tls.key"
     certfile.write_bytes(cert)
     keyfile.write_bytes(key)
@@ -237,7 +239,7 @@ def server(
     tls = {"addr": addr, "port": port, "host": host, "certfile": str(certfile), "pkeyfile": str(keyfile),
            "cadata": cert}  # fmt: skip
     svc = None if service is None else {"namespace": service[0], "name": service[1], "port": port}
-    return WebhookServer(service=svc, on_config=on_config, **tls)
+    return WebhookServer(service=svc, on_config=on_config, directory=directory, **tls)
 
 
 class WebhookServer(kopf.WebhookServer):
@@ -247,19 +249,30 @@ class WebhookServer(kopf.WebhookServer):
 
     def __init__(
         self, *, service: Mapping[str, Any] | None = None,
-        on_config: Callable[[dict[str, Any]], Awaitable[None]] | None = None, **kwargs: Any,
+        on_config: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+        directory: pathlib.Path | None = None, **kwargs: Any,
     ) -> None:  # fmt: skip
         super().__init__(**kwargs)
         self.service = dict(service) if service else None
         self.on_config = on_config
+        self.directory = directory  # the certificate files' own folder, removed once they are read
+
+    def _remove_files(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
 
     async def __call__(self, fn: Any) -> Any:
-        async for config in super().__call__(fn):
-            registered: dict[str, Any] = dict(config)
-            if self.service is not None:
-                registered = {"service": dict(self.service)}
-                if "caBundle" in config:
-                    registered["caBundle"] = config["caBundle"]
-            if self.on_config is not None:
-                await self.on_config(registered)
-            yield registered
+        try:
+            async for config in super().__call__(fn):
+                self._remove_files()  # kopf built its TLS context before its first config
+                registered: dict[str, Any] = dict(config)
+                if self.service is not None:
+                    registered = {"service": dict(self.service)}
+                    if "caBundle" in config:
+                        registered["caBundle"] = config["caBundle"]
+                if self.on_config is not None:
+                    await self.on_config(registered)
+                yield registered
+        finally:
+            self._remove_files()

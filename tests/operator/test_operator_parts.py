@@ -80,11 +80,14 @@ async def test_in_cluster_webhook_registers_its_service(tmp_path: pathlib.Path) 
     async def on_config(config: dict) -> None:
         told.append(config)
 
-    srv = webhook.server(cert, key, directory=tmp_path, addr="127.0.0.1", port=0, host="ignored",
+    srv = webhook.server(cert, key, addr="127.0.0.1", port=0, host="ignored",
                          service=("ops", "dsv4-operator-webhook"), on_config=on_config)  # fmt: skip
+    assert srv.directory is not None and (srv.directory / "tls.key").stat().st_mode & 0o077 == 0
+    folder = srv.directory
     configs = srv(lambda **_: None)
     try:
         config = await anext(configs)
+        assert not folder.exists()  # the key stays on disk only until kopf's TLS context holds it
     finally:
         await configs.aclose()
     assert config["service"] == {"namespace": "ops", "name": "dsv4-operator-webhook", "port": 0}
