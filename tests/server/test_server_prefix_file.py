@@ -119,6 +119,13 @@ def test_a_server_saves_while_serving_so_a_crash_keeps_the_cache(
     until(lambda: _gauge(first.base, "dsv4_prefix_cache_saved_prefixes") > 0, 120, "a save while serving")
     assert "prefix cache: saved" in first.log()
     assert _gauge(first.base, "dsv4_prefix_cache_last_save_timestamp_seconds") > first_started
+    own = _own_file(cache_dir, port)
+    touched = own.stat().st_mtime_ns
+    # Unchanged, the file is touched every interval (so servers making room keep it) ...
+    until(lambda: own.stat().st_mtime_ns > touched, 120, "the file touched at an interval")
+    # ... and written again when it is gone, though the cache did not change.
+    own.unlink()
+    until(own.exists, 120, "the removed file written again")
     first.proc.kill()
     first.proc.wait(60)
     with safe_open(str(_own_file(cache_dir, port)), framework="pt") as f:
@@ -214,3 +221,37 @@ def test_a_file_is_named_after_its_pod_and_port() -> None:
     assert owner_name(30000, {"POD_NAME": "dsv4-a-prefill-1"}) == "dsv4-a-prefill-1-30000"
     assert owner_name(30001, {}) == f"{socket.gethostname()}-30001"
     assert file_name("a/b c-1") == "prefix-cache-a_b_c-1.safetensors"
+
+
+def test_a_full_volume_loses_the_files_of_servers_gone_oldest_first(tmp_path: Path) -> None:
+    """make_room removes other servers' files older than the live mark, oldest first, and a killed
+    writer's temporary file, until the bytes asked for are free; never this server's own file, nor a
+    file a running server touched since the mark; none when there is room already."""
+    import os
+
+    from dsv4_engine.server.prefix_file import make_room
+
+    capacity = 100
+
+    def free(d: Path) -> int:
+        return capacity - sum(p.stat().st_size for p in d.iterdir())
+
+    def put(name: str, size: int, mtime: float) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"x" * size)
+        os.utime(path, (mtime, mtime))
+        return path
+
+    own = put("prefix-cache-me-1.safetensors", 20, 10.0)  # the oldest of all: still kept
+    gone_old = put("prefix-cache-a-1.safetensors", 20, 20.0)
+    tmp = put(".prefix-cache-b-1.safetensors.77.tmp", 10, 30.0)
+    gone_new = put("prefix-cache-c-1.safetensors", 20, 40.0)
+    live = put("prefix-cache-d-1.safetensors", 20, 1000.0)
+    assert free(tmp_path) == 10
+
+    assert make_room(tmp_path, own, 10, live_since=500.0, free=free) == []
+    assert make_room(tmp_path, own, 35, live_since=500.0, free=free) == [gone_old, tmp]
+    assert free(tmp_path) == 40 and gone_new.exists()
+    # More than the files of servers gone hold: they all go, the live one and this one's stay.
+    assert make_room(tmp_path, own, 90, live_since=500.0, free=free) == [gone_new]
+    assert sorted(tmp_path.iterdir()) == sorted([own, live])

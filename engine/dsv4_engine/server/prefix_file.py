@@ -10,7 +10,7 @@ A file carries its writer's layout fingerprint (disagg/fingerprint.py: page size
 every buffer's page bytes, the checkpoint's digest); a server whose fingerprint differs names the
 first differing field and passes the file over. A file is written to a temporary name and renamed, so
 a reader never sees half of one. A missing, unreadable or mismatched file never stops a server from
-starting.
+starting. A volume too full for a save loses the files of servers gone first (`make_room`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ from dsv4_engine.server.state import Phase, ServerContext
 log = logging.getLogger("dsv4.server")
 
 FILE_STEM = "prefix-cache"
+HEADER_BYTES = 1 << 20  # a file's header and padding, over its tensors' bytes (`make_room`)
+LIVE_GRACE_SECONDS = 60.0  # beyond 2 intervals, before another server's unchanged file counts as left
 
 
 def write(path: Path, records: list[PrefixRecord], fingerprint: dict[str, Any]) -> None:
@@ -103,6 +106,46 @@ def read(path: Path, fingerprint: dict[str, Any]) -> list[PrefixRecord]:
     """Every record of a file written under `fingerprint` (`opened`)."""
     with opened(path, fingerprint) as (_, records):
         return list(records)
+
+
+def nbytes(records: list[PrefixRecord]) -> int:
+    """What a file of these records takes on disk, but for its header."""
+    tensors = [t for r in records for bufs in r.pages.values() for t in bufs] + [
+        t for r in records for t in r.extra.values()
+    ]  # fmt: skip
+    return sum(t.numel() * t.element_size() for t in tensors) + sum(8 * len(r.tokens) for r in records)
+
+
+def make_room(
+    directory: Path, own: Path, needed: int, live_since: float,
+    free: Callable[[Path], int] = lambda d: shutil.disk_usage(d).free,
+) -> list[Path]:  # fmt: skip
+    """Remove other servers' files from `directory`, oldest first, until `needed` bytes are free beside
+    `own` (which stays until its replacement is renamed over it); returns those removed. A server scaled
+    away or renamed leaves its file, and on a volume of fixed size such files would in the end leave no
+    room for the servers still running. A file modified since `live_since` is a running server's (each
+    touches its own every interval, changed or not) and is kept, as are temporary files being written."""
+    if free(directory) >= needed:
+        return []
+
+    def stale(p: Path) -> float | None:
+        try:
+            mtime = p.stat().st_mtime
+        except OSError:
+            return None
+        return mtime if mtime < live_since else None
+
+    candidates = [p for p in directory.glob(f"{FILE_STEM}*.safetensors") if p != own]
+    candidates += list(directory.glob(f".{FILE_STEM}*.tmp"))  # a killed writer's
+    aged = sorted((m, p) for p in candidates if (m := stale(p)) is not None)
+    removed = []
+    for _, path in aged:
+        if free(directory) >= needed:
+            break
+        with contextlib.suppress(OSError):  # removed meanwhile (another server made room too)
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 async def _fingerprint(ctx: ServerContext) -> dict[str, Any]:
@@ -232,6 +275,15 @@ class PrefixCacheFile:
         if drained:
             await self.save(serving=False)
 
+    def _store(self, records: list[PrefixRecord]) -> list[Path]:
+        """Write the file, first removing files of servers gone if the volume lacks room (`make_room`)."""
+        assert self.fingerprint is not None
+        self.dir.mkdir(parents=True, exist_ok=True)
+        live_since = time.time() - 2 * self.interval - LIVE_GRACE_SECONDS
+        removed = make_room(self.dir, self.path, nbytes(records) + HEADER_BYTES, live_since)
+        write(self.path, records, self.fingerprint)
+        return removed
+
     async def save(self, *, serving: bool) -> None:
         """Write the cache's prefixes, most recently used first up to --prefix-cache-max-bytes, unless
         the file holds them already. While serving, requests may hold every row or C4 state page a
@@ -242,14 +294,17 @@ class PrefixCacheFile:
                 return
             started = time.monotonic()
             cap = self.max_bytes
+            # Removed (by hand, or by another server making room): written again even if unchanged.
+            saved = self.saved_version if await asyncio.to_thread(self.path.exists) else None
 
             def export(engine: Any) -> tuple[int, PrefixExport | None]:
                 version = engine.prefix_cache_version()
-                return version, None if version == self.saved_version else engine.export_prefix_cache(cap)
+                return version, None if version == saved else engine.export_prefix_cache(cap)
 
             try:
                 version, got = await ctx.bridge.run(export)
-                if got is None:
+                if got is None:  # the file holds the cache: touched, so others see this server runs
+                    await asyncio.to_thread(os.utime, self.path)
                     return
                 read_s = time.monotonic() - started  # to the step's end, then the read: no step ran
                 if got.busy and serving:
@@ -259,10 +314,12 @@ class PrefixCacheFile:
                     why = "no prefix fits --prefix-cache-max-bytes" if got.over_cap else "empty"
                     log.info("prefix cache: %s, %s left as it is", why, self.path)
                     return
-                await asyncio.to_thread(write, self.path, got.records, self.fingerprint)
+                removed = await asyncio.to_thread(self._store, got.records)
             except (OSError, ValueError, RuntimeError) as exc:
                 log.warning("prefix cache: not saved: %s", exc)
                 return
+            for gone in removed:
+                log.warning("prefix cache: removed %s, unchanged for 2 intervals, to make room", gone.name)
             self.saved_version = version
             ctx.metrics.prefix_saved.set(len(got.records))
             ctx.metrics.prefix_saved_at.set(time.time())
