@@ -231,7 +231,7 @@ def server(
 ) -> kopf.WebhookServer:  # fmt: skip
     """A TLS admission server; registered by URL (https://host:port), or by `service` (namespace, name).
     `on_config` gets each client config the server yields, before kopf does (the registration)."""
-    directory = pathlib.Path(tempfile.mkdtemp(prefix="dsv4-webhook-"))  # 0700: kopf reads files only
+    directory = pathlib.Path(tempfile.mkdtemp(prefix="dsv4-webhook-"))  # 0700; kopf takes paths only
     certfile, keyfile = directory / "tls.crt", directory / "tls.key"
     certfile.write_bytes(cert)
     keyfile.write_bytes(key)
@@ -255,17 +255,13 @@ class WebhookServer(kopf.WebhookServer):
         super().__init__(**kwargs)
         self.service = dict(service) if service else None
         self.on_config = on_config
-        self.directory = directory  # the certificate files' own folder, removed once they are read
-
-    def _remove_files(self) -> None:
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
-            self.directory = None
+        # The certificate files' own folder: kopf re-reads them while it serves (to restart on a
+        # renewed certificate), so they go when serving ends.
+        self.directory = directory
 
     async def __call__(self, fn: Any) -> Any:
         try:
             async for config in super().__call__(fn):
-                self._remove_files()  # kopf built its TLS context before its first config
                 registered: dict[str, Any] = dict(config)
                 if self.service is not None:
                     registered = {"service": dict(self.service)}
@@ -275,4 +271,5 @@ class WebhookServer(kopf.WebhookServer):
                     await self.on_config(registered)
                 yield registered
         finally:
-            self._remove_files()
+            if self.directory is not None:
+                shutil.rmtree(self.directory, ignore_errors=True)

@@ -84,12 +84,10 @@ async def test_in_cluster_webhook_registers_its_service(tmp_path: pathlib.Path) 
                          service=("ops", "dsv4-operator-webhook"), on_config=on_config)  # fmt: skip
     assert srv.directory is not None and (srv.directory / "tls.key").stat().st_mode & 0o077 == 0
     folder = srv.directory
-    configs = srv(lambda **_: None)
-    try:
-        config = await anext(configs)
-        assert not folder.exists()  # the key stays on disk only until kopf's TLS context holds it
-    finally:
-        await configs.aclose()
+    async with srv:  # as kopf runs it: leaving closes the server's generators
+        config = await anext(srv(lambda **_: None))
+        assert (folder / "tls.key").exists()  # kopf re-reads it while it serves
+    assert not folder.exists()  # serving ended: no key left behind
     assert config["service"] == {"namespace": "ops", "name": "dsv4-operator-webhook", "port": 0}
     assert base64.b64decode(config["caBundle"]) == cert
     assert told == [config]  # registered before kopf hears of it
