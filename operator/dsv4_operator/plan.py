@@ -183,11 +183,12 @@ def serve_args(
 
 
 def router_policy_args(dep: Dsv4Deployment) -> list[str]:
-    # sglang-router 0.3.2 never seeds the PD prefill policy's tree (its worker-registration step
-    # initialises only the per-model policy), so `cache_aware` for prefill picks at random ("No tree
-    # found for model ..., using random worker selection" at debug level) and no flag of 0.3.2 changes
-    # that; fixed upstream in smg (sgl-model-gateway's successor), PR #1520. `manual` works on 0.3.2:
-    # it keeps each X-SMG-Routing-Key on one server and needs no tree.
+    # sglang-router 0.3.2 seeds no cache-aware tree with PD workers, so `cache_aware` for prefill
+    # picks at random ("No tree found for model ..., using random worker selection" at debug level,
+    # on every prefill pick of a bench/prefix.py run), whether given as `--prefill-policy` or as the
+    # main `--policy`; no flag of 0.3.2 changes that. Fixed upstream in smg (sgl-model-gateway's
+    # successor), PR #1520. `manual` works on 0.3.2: it keeps each X-SMG-Routing-Key on one server
+    # and needs no tree.
     r = dep.spec.router
     return ["--pd-disaggregation", "--prefill-policy", r.prefill_policy, "--decode-policy", r.decode_policy]
 
