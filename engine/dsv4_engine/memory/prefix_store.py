@@ -1,6 +1,6 @@
 """Prefix-cache snapshots as data: export every resumable prefix to tensors, import them into another
-engine's pools (the server writes them to a file at shutdown and reads them at start, behind the layout
-fingerprint: server/prefix_file.py).
+engine's pools (a server writes them to a file while it serves and after it drains, and reads them at
+start, behind the layout fingerprint: server/prefix_file.py).
 
 A record is what a request resuming at the prefix's end P reads: the pages a PD transfer of a request
 of length P would move (`dsv4_state_payloads`: the full pages of [0, P), the SWA pages of the window
