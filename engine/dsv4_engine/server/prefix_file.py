@@ -37,33 +37,49 @@ from dsv4_engine.server.state import Phase, ServerContext
 log = logging.getLogger("dsv4.server")
 
 FILE_STEM = "prefix-cache"
-HEADER_BYTES = 1 << 20  # a file's header and padding, over its tensors' bytes (`make_room`)
+HEADER_BYTES_PER_TENSOR = 160  # its JSON entry's dtype, shape and offsets, and some
 LIVE_GRACE_SECONDS = 60.0  # beyond 2 intervals, before another server's unchanged file counts as left
 
 
-def write(path: Path, records: list[PrefixRecord], fingerprint: dict[str, Any]) -> None:
-    from safetensors.torch import save_file
-
+def _contents(
+    records: list[PrefixRecord], fingerprint: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A file's tensors by name and its metadata (the fingerprint, and per record its base, buffer
+    counts and extra names)."""
     tensors = {
-        f"{i}.{state_type.name}.{b}": data.contiguous()
+        f"{i}.{state_type.name}.{b}": data
         for i, rec in enumerate(records)
         for state_type, buffers in rec.pages.items()
         for b, data in enumerate(buffers)
     }
     # Token ids as tensors: the header (JSON, at most 100 MB) would not hold a large cache's.
     tensors |= {f"{i}.tokens": torch.tensor(rec.tokens, dtype=torch.int64) for i, rec in enumerate(records)}
-    tensors |= {
-        f"{i}.extra.{k}": t.contiguous() for i, rec in enumerate(records) for k, t in rec.extra.items()
-    }
+    tensors |= {f"{i}.extra.{k}": t for i, rec in enumerate(records) for k, t in rec.extra.items()}
     index = [{"base": r.base, "buffers": _buffer_counts(r), "extra": sorted(r.extra)} for r in records]
-    meta = {"fingerprint": json.dumps(fingerprint), "records": json.dumps(index)}
+    return tensors, {"fingerprint": json.dumps(fingerprint), "records": json.dumps(index)}
+
+
+def write(path: Path, records: list[PrefixRecord], fingerprint: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    tensors, meta = _contents(records, fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        save_file(tensors, str(tmp), metadata=meta)
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata=meta)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
+
+
+def file_bytes(records: list[PrefixRecord], fingerprint: dict[str, Any]) -> int:
+    """At least what `write` puts on disk: the tensors' bytes, and a header of JSON naming each with its
+    dtype, shape and offsets (HEADER_BYTES_PER_TENSOR, generously) beside the metadata (twice: its
+    quotes are escaped there); a large model's record has thousands of tensors, so not negligible."""
+    tensors, meta = _contents(records, fingerprint)
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    header = sum(len(k) + HEADER_BYTES_PER_TENSOR for k in tensors) + 2 * sum(len(v) for v in meta.values())
+    return data + header
 
 
 def _buffer_counts(rec: PrefixRecord) -> dict[str, int]:
@@ -106,14 +122,6 @@ def read(path: Path, fingerprint: dict[str, Any]) -> list[PrefixRecord]:
     """Every record of a file written under `fingerprint` (`opened`)."""
     with opened(path, fingerprint) as (_, records):
         return list(records)
-
-
-def nbytes(records: list[PrefixRecord]) -> int:
-    """What a file of these records takes on disk, but for its header."""
-    tensors = [t for r in records for bufs in r.pages.values() for t in bufs] + [
-        t for r in records for t in r.extra.values()
-    ]  # fmt: skip
-    return sum(t.numel() * t.element_size() for t in tensors) + sum(8 * len(r.tokens) for r in records)
 
 
 def make_room(
@@ -280,7 +288,7 @@ class PrefixCacheFile:
         assert self.fingerprint is not None
         self.dir.mkdir(parents=True, exist_ok=True)
         live_since = time.time() - 2 * self.interval - LIVE_GRACE_SECONDS
-        removed = make_room(self.dir, self.path, nbytes(records) + HEADER_BYTES, live_since)
+        removed = make_room(self.dir, self.path, file_bytes(records, self.fingerprint), live_since)
         write(self.path, records, self.fingerprint)
         return removed
 
