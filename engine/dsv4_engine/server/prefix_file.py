@@ -197,7 +197,10 @@ class PrefixCacheFile:
         self.interval = settings.prefix_cache_save_interval
         self.max_bytes = settings.prefix_cache_max_bytes
         self.fingerprint: dict[str, Any] | None = None
-        self.saved_version: int | None = None  # the cache's change count the file holds
+        # The cache's change count the directory reflects: the file holds it (`wrote`), or it had
+        # nothing to write (empty, or no prefix under the cap) and the file was left as it was.
+        self.saved_version: int | None = None
+        self.wrote = False
         self._lock = asyncio.Lock()
         self._stop = asyncio.Event()
         self._saver: asyncio.Task[None] | None = None
@@ -256,6 +259,7 @@ class PrefixCacheFile:
             elif done and own_version is not None:
                 own_version = None  # the cache holds more than this server's file
         self.saved_version = own_version  # the file holds what the cache holds: no save until it changes
+        self.wrote = own_version is not None
         ctx.metrics.prefix_imported.set(imported)
 
     def start_saving(self) -> None:
@@ -303,7 +307,8 @@ class PrefixCacheFile:
             started = time.monotonic()
             cap = self.max_bytes
             # Removed (by hand, or by another server making room): written again even if unchanged.
-            saved = self.saved_version if await asyncio.to_thread(self.path.exists) else None
+            exists = await asyncio.to_thread(self.path.exists)
+            saved = self.saved_version if exists or not self.wrote else None
 
             def export(engine: Any) -> tuple[int, PrefixExport | None]:
                 version = engine.prefix_cache_version()
@@ -311,16 +316,18 @@ class PrefixCacheFile:
 
             try:
                 version, got = await ctx.bridge.run(export)
-                if got is None:  # the file holds the cache: touched, so others see this server runs
-                    await asyncio.to_thread(os.utime, self.path)
+                if got is None:  # settled: the file is touched, so others see this server runs
+                    if exists:
+                        await asyncio.to_thread(os.utime, self.path)
                     return
                 read_s = time.monotonic() - started  # to the step's end, then the read: no step ran
                 if got.busy and serving:
                     log.info("prefix cache: %d prefixes busy; saving at the next interval", got.busy)
                     return
-                if not got.records:
+                if not got.records:  # settled until the cache changes
                     why = "no prefix fits --prefix-cache-max-bytes" if got.over_cap else "empty"
                     log.info("prefix cache: %s, %s left as it is", why, self.path)
+                    self.saved_version, self.wrote = version, False
                     return
                 removed = await asyncio.to_thread(self._store, got.records)
             except (OSError, ValueError, RuntimeError) as exc:
@@ -328,7 +335,7 @@ class PrefixCacheFile:
                 return
             for gone in removed:
                 log.warning("prefix cache: removed %s, unchanged for 2 intervals, to make room", gone.name)
-            self.saved_version = version
+            self.saved_version, self.wrote = version, True
             ctx.metrics.prefix_saved.set(len(got.records))
             ctx.metrics.prefix_saved_at.set(time.time())
             log.info(
