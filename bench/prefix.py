@@ -774,7 +774,10 @@ def cluster_part(a: argparse.Namespace, text: Text, procs: Procs, spec: dict[str
     return runs
 
 
-SAVED = re.compile(r"prefix cache: saved (\d+) prefixes to \S+ in ([\d.]+)s \(read in ([\d.]+)s")
+SAVED = re.compile(
+    r"prefix cache: saved (\d+) prefixes to \S+ in ([\d.]+)s \(read between steps in (\d+) part\(s\), the "
+    r"longest ([\d.]+)s"
+)
 IMPORTED = re.compile(r"prefix cache: imported (\d+) of (\d+) prefixes from \S+ in ([\d.]+)s")
 
 
@@ -807,12 +810,15 @@ def restart_part(a: argparse.Namespace, text: Text, procs: Procs, flags: list[st
     procs.stop(before)
     saves = SAVED.findall(before.log_path.read_text(errors="replace"))  # the drain's is the last
     size = sum(f.stat().st_size for f in cache_dir.glob("*.safetensors"))
-    serving = [float(r) for _, _, r in saves[:-1]]  # the engine's pause to read the cache, per save
+    # Per save while serving: the parts its read took, and the longest, the engine's longest pause.
+    parts = [int(n) for _, _, n, _ in saves[:-1]]
+    pauses = [float(t) for _, _, _, t in saves[:-1]]
     saved = (
         f"{saves[-1][0]} prefixes, {size / 2**20:.1f} MiB, in {float(saves[-1][1]):.2f} s; "
         + (
-            f"{len(serving)} saves while serving, each pausing the engine {min(serving):.2f}-{max(serving):.2f} s"
-            if serving
+            f"{len(pauses)} saves while serving, read in {min(parts)}-{max(parts)} parts between steps, "
+            f"each pausing the engine at most {max(pauses) * 1000:.0f} ms"
+            if pauses
             else "no save while serving"
         )
         if saves

@@ -27,8 +27,8 @@ from dsv4_engine.memory import Dsv4MemoryLayout, OutOfPages, StateType, dsv4_sta
 from dsv4_engine.memory.prefix_store import (
     PageWrites,
     PrefixExport,
+    PrefixExporter,
     PrefixRecord,
-    export_prefixes,
     import_prefixes,
     write_pages,
 )
@@ -378,13 +378,19 @@ class LLMEngine:
 
     def export_prefix_cache(self, max_bytes: int | None = None) -> PrefixExport:
         """The prefixes the cache can resume at, most recently used first up to max_bytes, as the pages
-        a request resuming there reads (for another engine of the same layout: `import_prefix_cache`).
-        Between steps, also while requests run. A parallel server's ranks hold the same pages (its
-        state is replicated), so rank 0's are read; the reads' row changes reach the other ranks
-        through the journal as any step's do."""
+        a request resuming there reads (for another engine of the same layout: `import_prefix_cache`),
+        in one read; `prefix_exporter` reads them in parts."""
+        exporter = self.prefix_exporter(max_bytes)
+        exporter.read()
+        return exporter.result()
+
+    def prefix_exporter(self, max_bytes: int | None = None) -> PrefixExporter:
+        """`export_prefix_cache` in parts: each `read(budget_s)` between two steps, also while requests
+        run. A parallel server's ranks hold the same pages (its state is replicated), so rank 0's are
+        read; the reads' row changes reach the other ranks through the journal as any step's do."""
         drafter = self.runner.drafter
         read = drafter.cache.export_window if drafter is not None else None
-        return export_prefixes(self.allocator, self.kv_pool, self.runner.apply_state_copies, read, max_bytes)
+        return PrefixExporter(self.allocator, self.kv_pool, self.runner.apply_state_copies, read, max_bytes)
 
     def import_prefix_cache(self, records: Iterable[PrefixRecord]) -> int:
         """Cache what `export_prefix_cache` gave (an engine whose layout fingerprint is this one's,

@@ -251,6 +251,51 @@ def test_a_capped_export_keeps_the_most_recently_used_prefixes(make_llm, assert_
     assert_released(target)
 
 
+def test_an_export_in_parts_reads_each_record_whole_while_the_cache_changes(
+    make_llm, assert_released
+) -> None:
+    """A save while serving reads the cache a record at a time between steps (budget 0: one record a
+    part) while requests run and add prefixes: the records read import into another engine, which
+    resumes the deepest and answers as the cache-off engine does. A flush between two parts drops
+    the prefixes not read yet: they are counted `gone`, not `busy` (which would skip the save)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    source = make_llm("A", chunked_prefill_size=128)
+    turn = BASE[:300]
+    for i in range(3):  # nested snapshots: a chat's growing history
+        turn = turn + source.generate([turn], params)[0].token_ids + random_ids(150, seed=80 + i)
+    engine = source.engine
+    exporter = engine.prefix_exporter()
+    planned, version = len(exporter.order), engine.prefix_cache_version()
+    assert planned >= 3
+    for i in range(2):
+        engine.add_request(turn + random_ids(40, seed=90 + i), params)
+    parts = 0
+    while not exporter.done or engine.has_unfinished():
+        if engine.has_unfinished():
+            engine.step()
+        if not exporter.done:
+            exporter.read(0.0)
+            parts += 1
+    got = exporter.result()
+    assert parts == planned and not got.busy and not got.gone and len(got.records) == planned
+    assert engine.prefix_cache_version() > version  # the requests cached prefixes between the parts
+
+    flushed = engine.prefix_exporter()
+    flushed.read(0.0)
+    engine.flush_cache()
+    assert flushed.read() and len(flushed.result().records) == 1
+    assert (flushed.result().gone, flushed.result().busy) == (len(flushed.order) - 1, 0) != (0, 0)
+    assert_released(source)
+
+    target = make_llm("A", num_pages=200)
+    assert target.engine.import_prefix_cache(got.records) == planned
+    question = max((r.tokens for r in got.records), key=len) + tuple(random_ids(30, seed=99))
+    resumed = target.generate([list(question)], params)[0]
+    want = make_llm("A", disable_radix_cache=True).generate([list(question)], params)[0]
+    assert resumed.num_cached_tokens == len(question) - 30 and resumed.token_ids == want.token_ids
+    assert_released(target)
+
+
 def test_an_export_between_steps_leaves_running_requests_as_they_were(make_llm, assert_released) -> None:
     """An export while requests run (a server saving on an interval) borrows a free row and gives it
     back: the requests finish with the tokens they give without it, and the cache's entries stay."""

@@ -18,6 +18,7 @@ the longest one that did.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -67,70 +68,118 @@ def _entries(
 
 @dataclass(frozen=True)
 class PrefixExport:
-    """What `export_prefixes` read: the records, shorter first (a record after the one it extends), and
-    how many resumable prefixes it left out: for want of a free request row or C4 state page to read
-    them through (`busy`; none on an idle engine), and for the size cap (`over_cap`)."""
+    """What an export read: the records, shorter first (a record after the one it extends), and how
+    many resumable prefixes it left out: for want of a free request row or C4 state page to read them
+    through (`busy`; none on an idle engine), for the size cap (`over_cap`), and because the cache
+    dropped them while a read in parts went on (`gone`)."""
 
     records: list[PrefixRecord]
     busy: int = 0
     over_cap: int = 0
+    gone: int = 0
 
 
-def export_prefixes(
-    alloc: Dsv4Allocator,
-    kv: Dsv4TokenToKVPool,
-    apply_copies: Callable[[], None],
-    read_extra: ReadExtra | None = None,
-    max_bytes: int | None = None,
-) -> PrefixExport:
-    """The prefixes the cache can resume at, most recently used first while they fit in max_bytes (None:
-    all). apply_copies runs the allocator's queued state copies on the pools (the model runner's
-    `apply_state_copies`); read_extra reads what else the resumed scratch row holds. Reading leaves the
-    cache's LRU order as it was, so a server can save while it serves: between steps, with a request
-    row and a C4 state page free."""
-    cache = alloc.prefix_cache
-    if cache is None:
-        return PrefixExport([])
-    buffers = kv.buffers_by_type()
-    page_bytes = {t: sum(b[0].numel() * b.element_size() for b in bs) for t, bs in buffers.items()}
-    prefixes = cache.resumable()
-    # A prefix is used whenever a longer one is, so its ancestors come before it (ties: shorter first).
-    order = sorted(range(len(prefixes)), key=lambda i: (-prefixes[i].last_used, len(prefixes[i].tokens)))
-    records: list[PrefixRecord] = []
-    exported: set[int] = set()  # indices into prefixes
-    busy = over_cap = total = 0
-    for done, i in enumerate(order):
-        tokens, parent, _ = prefixes[i]
+class PrefixExporter:
+    """Reads the prefixes the cache can resume at, as of its construction, most recently used first
+    while they fit in max_bytes (None: all), a part at a time: each `read` runs between two steps, so
+    a server saving a large cache while it serves pauses the engine for a part at a time, not for the
+    whole read. A record is read whole within one part, so each is what a request resuming there
+    reads, whatever the cache did between parts. apply_copies runs the allocator's queued state
+    copies on the pools (the model runner's `apply_state_copies`); read_extra reads what else the
+    resumed scratch row holds. Reading leaves the cache's LRU order as it was; it borrows a request
+    row and a C4 state page for each record and gives them back."""
+
+    def __init__(
+        self,
+        alloc: Dsv4Allocator,
+        kv: Dsv4TokenToKVPool,
+        apply_copies: Callable[[], None],
+        read_extra: ReadExtra | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        self.alloc, self.kv, self.apply_copies, self.read_extra = alloc, kv, apply_copies, read_extra
+        self.max_bytes = max_bytes
+        cache = alloc.prefix_cache
+        self.prefixes = cache.resumable() if cache is not None else []
+        prefixes = self.prefixes
+        # A prefix is used whenever a longer one is, so its ancestors come before it (ties: shorter first).
+        self.order = sorted(
+            range(len(prefixes)), key=lambda i: (-prefixes[i].last_used, len(prefixes[i].tokens))
+        )
+        self.buffers = kv.buffers_by_type()
+        self.page_bytes = {
+            t: sum(b[0].numel() * b.element_size() for b in bs) for t, bs in self.buffers.items()
+        }
+        self.records: list[PrefixRecord] = []
+        self.exported: set[int] = set()  # indices into prefixes
+        self.next = 0  # into order
+        self.busy = self.over_cap = self.gone = self.total = 0
+        self.longest_part_s = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.next >= len(self.order)
+
+    def read(self, budget_s: float | None = None) -> bool:
+        """Read records until budget_s seconds have passed (at least one record; None: all); between
+        steps. Returns whether every prefix has been tried."""
+        started = time.monotonic()
+        first = self.next
+        while not self.done:
+            if budget_s is not None and self.next > first and time.monotonic() - started >= budget_s:
+                break
+            i = self.order[self.next]
+            self.next += 1
+            if not self._read_one(i):
+                self.busy += len(self.order) - self.next + 1  # no free row: the rest wait too
+                self.next = len(self.order)
+        self.longest_part_s = max(self.longest_part_s, time.monotonic() - started)
+        return self.done
+
+    def _read_one(self, i: int) -> bool:
+        """Read prefix i into a record unless it is over the cap or no longer cached; False when no
+        request row is free."""
+        alloc, kv = self.alloc, self.kv
+        tokens, parent, _ = self.prefixes[i]
         n = len(tokens)
-        while parent >= 0 and parent not in exported:  # the longest exported prefix of its own
-            parent = prefixes[parent].parent
-        base = len(prefixes[parent].tokens) if parent >= 0 else 0
+        while parent >= 0 and parent not in self.exported:  # the longest exported prefix of its own
+            parent = self.prefixes[parent].parent
+        base = len(self.prefixes[parent].tokens) if parent >= 0 else 0
         row = alloc.alloc_request()
         if row is None:
-            busy += len(order) - done
-            break
+            return False
         try:
+            state_pages = alloc.num_free().get("c4s", 1)
             if alloc.match_prefix(row, tokens, n, touch=False).length != n:
-                busy += 1  # no C4 state page to restore its snapshot into
-                continue
-            apply_copies()  # the snapshot's C4 rows into the row's own state page
+                if state_pages:
+                    self.gone += 1  # dropped since the export began
+                else:
+                    self.busy += 1  # no C4 state page to restore its snapshot into
+                return True
+            self.apply_copies()  # the snapshot's C4 rows into the row's own state page
             ids = {
                 state_type: torch.tensor([pg for pos, pg in entries if pos >= base], dtype=torch.long)
                 for state_type, entries in _entries(kv, alloc, row, n).items()
             }
-            size = sum(len(v) * page_bytes[t] for t, v in ids.items()) + 8 * n
-            if max_bytes is not None and total + size > max_bytes:
-                over_cap += 1
-                continue
-            pages = {t: [b.index_select(0, v.to(b.device)).cpu() for b in buffers[t]] for t, v in ids.items()}
-            extra = read_extra(row, n) if read_extra is not None else {}
-            records.append(PrefixRecord(tokens, base, pages, extra))
-            exported.add(i)
-            total += size + sum(t.numel() * t.element_size() for t in extra.values())
+            size = sum(len(v) * self.page_bytes[t] for t, v in ids.items()) + 8 * n
+            if self.max_bytes is not None and self.total + size > self.max_bytes:
+                self.over_cap += 1
+                return True
+            bufs = self.buffers
+            pages = {t: [b.index_select(0, v.to(b.device)).cpu() for b in bufs[t]] for t, v in ids.items()}
+            extra = self.read_extra(row, n) if self.read_extra is not None else {}
+            self.records.append(PrefixRecord(tokens, base, pages, extra))
+            self.exported.add(i)
+            self.total += size + sum(t.numel() * t.element_size() for t in extra.values())
+            return True
         finally:
             alloc.free(row)
-    records.sort(key=lambda r: len(r.tokens))
-    return PrefixExport(records, busy, over_cap)
+
+    def result(self) -> PrefixExport:
+        """What was read (once `read` returned True)."""
+        return PrefixExport(
+            sorted(self.records, key=lambda r: len(r.tokens)), self.busy, self.over_cap, self.gone
+        )
 
 
 def write_pages(kv: Dsv4TokenToKVPool, writes: PageWrites) -> None:

@@ -31,13 +31,15 @@ from typing import Any
 import torch
 
 from dsv4_engine.memory import StateType
-from dsv4_engine.memory.prefix_store import PrefixExport, PrefixRecord
+from dsv4_engine.memory.prefix_store import PrefixExporter, PrefixRecord
 from dsv4_engine.server.state import Phase, ServerContext
 
 log = logging.getLogger("dsv4.server")
 
 FILE_STEM = "prefix-cache"
 HEADER_BYTES_PER_TENSOR = 160  # its JSON entry's dtype, shape and offsets, and some
+# A save while serving reads the cache in parts of about this long, each between two steps.
+SAVE_PART_SECONDS = 0.02
 LIVE_GRACE_SECONDS = 60.0  # beyond 2 intervals, before another server's unchanged file counts as left
 
 
@@ -310,17 +312,23 @@ class PrefixCacheFile:
             exists = await asyncio.to_thread(self.path.exists)
             saved = self.saved_version if exists or not self.wrote else None
 
-            def export(engine: Any) -> tuple[int, PrefixExport | None]:
+            def begin(engine: Any) -> tuple[int, PrefixExporter | None]:
                 version = engine.prefix_cache_version()
-                return version, None if version == saved else engine.export_prefix_cache(cap)
+                return version, None if version == saved else engine.prefix_exporter(cap)
 
+            # While serving, the read goes a part at a time between steps (SAVE_PART_SECONDS each);
+            # after a drain nothing runs, so it goes at once.
+            budget = SAVE_PART_SECONDS if serving else None
             try:
-                version, got = await ctx.bridge.run(export)
-                if got is None:  # settled: the file is touched, so others see this server runs
+                version, exporter = await ctx.bridge.run(begin)
+                if exporter is None:  # settled: the file is touched, so others see this server runs
                     if exists:
                         await asyncio.to_thread(os.utime, self.path)
                     return
-                read_s = time.monotonic() - started  # to the step's end, then the read: no step ran
+                parts = 1
+                while not await ctx.bridge.run(lambda _: exporter.read(budget)):
+                    parts += 1
+                got = exporter.result()
                 if got.busy and serving:
                     log.info("prefix cache: %d prefixes busy; saving at the next interval", got.busy)
                     return
@@ -338,8 +346,11 @@ class PrefixCacheFile:
             self.saved_version, self.wrote = version, True
             ctx.metrics.prefix_saved.set(len(got.records))
             ctx.metrics.prefix_saved_at.set(time.time())
+            left = [f"{got.over_cap} over --prefix-cache-max-bytes"] if got.over_cap else []
+            left += [f"{got.gone} dropped by the cache meanwhile"] if got.gone else []
             log.info(
-                "prefix cache: saved %d prefixes to %s in %.2fs (read in %.2fs, between steps)%s",
-                len(got.records), self.path, time.monotonic() - started, read_s,
-                f"; {got.over_cap} over --prefix-cache-max-bytes left out" if got.over_cap else "",
+                "prefix cache: saved %d prefixes to %s in %.2fs (read between steps in %d part(s), the "
+                "longest %.3fs)%s",
+                len(got.records), self.path, time.monotonic() - started, parts, exporter.longest_part_s,
+                f"; left out: {', '.join(left)}" if left else "",
             )  # fmt: skip
