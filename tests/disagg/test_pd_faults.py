@@ -187,10 +187,13 @@ def _resident(P: Any, D: Any, pd: Any, pool: Any, b: dict[str, Any]) -> Any:
 
 
 def _held_open(P: Any, D: Any, pd: Any, pool: Any, b: dict[str, Any]) -> tuple[Any, Any]:
-    """Start a pair with P paused: the decode has reserved and sent its pages, nothing is written."""
+    """Start a pair with P paused: the decode has reserved and sent its pages, nothing is written, and
+    P holds the prefill leg in flight. The decode's claim reaches P's bootstrap endpoint on its own, so
+    it can come before the prefill leg does: both are awaited (a drain counts only the second)."""
     P.pause()
     fp, fd = pool.submit(post, P, b), pool.submit(post, D, b)
     pd.wait_until(lambda: depth(D, "transfer") == 1, 60, "the decode to wait for the transfer")
+    pd.wait_until(lambda: P.get("/debug/state")["inflight"] >= 1, 60, "the prefill leg to reach P")
     return fp, fd
 
 
