@@ -129,12 +129,14 @@ def crd_installed(kubeconfig: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def api(crd_installed: str) -> Any:
-    """A dynamic client on the test API server (one process, no kubectl per request)."""
+def api(crd_installed: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A dynamic client on the test API server (one process, no kubectl per request); its discovery
+    cache in the test's own folder (by default a file in /tmp that outlives the run)."""
     from kubernetes import config as kconfig
     from kubernetes import dynamic
 
-    return dynamic.DynamicClient(kconfig.new_client_from_config(crd_installed))
+    cache = tmp_path_factory.mktemp("discovery") / "cache.json"
+    return dynamic.DynamicClient(kconfig.new_client_from_config(crd_installed), cache_file=str(cache))
 
 
 def create(api: Any, obj: dict[str, Any]) -> tuple[bool, Any]:
