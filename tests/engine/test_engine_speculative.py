@@ -227,7 +227,7 @@ def test_an_imported_prefix_keeps_its_draft_window(mtp_checkpoints, assert_relea
     source.generate([base + random_ids(5, seed=52)], GREEDY)
     exported = source.engine.export_prefix_cache().records
     assert any(r.extra for r in exported)
-    prefix_file.write(tmp_path / "cache.safetensors", exported, {"version": 1})
+    prefix_file.write(tmp_path / "cache.safetensors", prefix_file.contents(exported, {"version": 1}))
     records = prefix_file.read(tmp_path / "cache.safetensors", {"version": 1})
     target = _llm(mtp_checkpoints["A"], disable_radix_cache=False, **kw)
     assert target.engine.import_prefix_cache(records) == len(records)

@@ -43,9 +43,11 @@ SAVE_PART_SECONDS = 0.02
 LIVE_GRACE_SECONDS = 60.0  # beyond 2 intervals, before another server's unchanged file counts as left
 
 
-def _contents(
-    records: list[PrefixRecord], fingerprint: dict[str, Any]
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+# A file's tensors by name and its metadata: built once a save, sized (`file_bytes`), then written.
+Contents = tuple[dict[str, torch.Tensor], dict[str, str]]
+
+
+def contents(records: list[PrefixRecord], fingerprint: dict[str, Any]) -> Contents:
     """A file's tensors by name and its metadata (the fingerprint, and per record its base, buffer
     counts and extra names)."""
     tensors = {
@@ -61,10 +63,10 @@ def _contents(
     return tensors, {"fingerprint": json.dumps(fingerprint), "records": json.dumps(index)}
 
 
-def write(path: Path, records: list[PrefixRecord], fingerprint: dict[str, Any]) -> None:
+def write(path: Path, file: Contents) -> None:
     from safetensors.torch import save_file
 
-    tensors, meta = _contents(records, fingerprint)
+    tensors, meta = file
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -74,11 +76,11 @@ def write(path: Path, records: list[PrefixRecord], fingerprint: dict[str, Any]) 
         tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
 
 
-def file_bytes(records: list[PrefixRecord], fingerprint: dict[str, Any]) -> int:
+def file_bytes(file: Contents) -> int:
     """At least what `write` puts on disk: the tensors' bytes, and a header of JSON naming each with its
     dtype, shape and offsets (HEADER_BYTES_PER_TENSOR, generously) beside the metadata (twice: its
     quotes are escaped there); a large model's record has thousands of tensors, so not negligible."""
-    tensors, meta = _contents(records, fingerprint)
+    tensors, meta = file
     data = sum(t.numel() * t.element_size() for t in tensors.values())
     header = sum(len(k) + HEADER_BYTES_PER_TENSOR for k in tensors) + 2 * sum(len(v) for v in meta.values())
     return data + header
@@ -126,6 +128,14 @@ def read(path: Path, fingerprint: dict[str, Any]) -> list[PrefixRecord]:
         return list(records)
 
 
+def _mtime(path: Path) -> float | None:
+    """When the file was last modified; None once it is gone (another server may remove it)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
 def make_room(
     directory: Path, own: Path, needed: int, live_since: float,
     free: Callable[[Path], int] = lambda d: shutil.disk_usage(d).free,
@@ -137,17 +147,9 @@ def make_room(
     touches its own every interval, changed or not) and is kept, as are temporary files being written."""
     if free(directory) >= needed:
         return []
-
-    def stale(p: Path) -> float | None:
-        try:
-            mtime = p.stat().st_mtime
-        except OSError:
-            return None
-        return mtime if mtime < live_since else None
-
     candidates = [p for p in directory.glob(f"{FILE_STEM}*.safetensors") if p != own]
     candidates += list(directory.glob(f".{FILE_STEM}*.tmp"))  # a killed writer's
-    aged = sorted((m, p) for p in candidates if (m := stale(p)) is not None)
+    aged = sorted((m, p) for p in candidates if (m := _mtime(p)) is not None and m < live_since)
     removed = []
     for _, path in aged:
         if free(directory) >= needed:
@@ -209,16 +211,9 @@ class PrefixCacheFile:
 
     def files(self) -> list[Path]:
         """The files to import: this server's, then the others' (every server's that shared DIR, and
-        an older version's single file), newest first."""
-
-        def mtime(p: Path) -> float:
-            try:
-                return p.stat().st_mtime
-            except OSError:  # removed meanwhile: its import says so
-                return 0.0
-
+        an older version's single file), newest first (one removed meanwhile last: its import says so)."""
         others = [p for p in self.dir.glob(f"{FILE_STEM}*.safetensors") if p != self.path]
-        others.sort(key=mtime, reverse=True)
+        others.sort(key=lambda p: _mtime(p) or 0.0, reverse=True)
         return [self.path, *others] if self.path.exists() else others
 
     async def restore(self) -> None:
@@ -294,8 +289,9 @@ class PrefixCacheFile:
         assert self.fingerprint is not None
         self.dir.mkdir(parents=True, exist_ok=True)
         live_since = time.time() - 2 * self.interval - LIVE_GRACE_SECONDS
-        removed = make_room(self.dir, self.path, file_bytes(records, self.fingerprint), live_since)
-        write(self.path, records, self.fingerprint)
+        file = contents(records, self.fingerprint)
+        removed = make_room(self.dir, self.path, file_bytes(file), live_since)
+        write(self.path, file)
         return removed
 
     async def save(self, *, serving: bool) -> None:
