@@ -36,9 +36,10 @@ carries its conversation's `X-SMG-Routing-Key` (a chat user's, a shared-prompt u
 
 Part 3, restart: the chat workload's users send every turn but the last to a `dsv4 serve
 --prefix-cache-dir` (part 1's settings; it also saves every 2 s while it serves), which is then
-stopped with SIGTERM and writes its cache to the directory; each user's last turn, on the same history, then goes to a server started on that
-directory and to one started without it (what a restart costs without the file). TTFT and hit rate of
-that turn on each, and what the logs say was saved and imported, in how long.
+stopped with SIGTERM and writes its cache to the directory; each user's last turn, on the same
+history, then goes to a server started on that directory and to one started without it (what a
+restart costs without the file). TTFT and hit rate of that turn on each, and what the logs say was
+saved (and how long each save while serving paused the engine) and imported, in how long.
 
 Prints one table per part; writes the raw figures (requests.csv: one row per request; runs.csv: one row
 per run with its /metrics deltas per server), ttft.png (TTFT CDF per workload, cache on against off) and
