@@ -30,7 +30,9 @@ Part 2, cluster: `dsv4 up` on examples/cpu-tiny.yaml with this checkpoint, the r
 2 (+1 decode; `dsv4 up` gives prefill the first half of the cores, so 2 prefill servers share it). Both
 workloads through the router (its own repeat tags). Cluster-wide hit rate: the prefill servers' /metrics
 counters summed (the decode admits the transferred prompt and is left out), and from usage if the
-response carries it. Target: 2-prefill hit rate within 10 points of 1-prefill's. Every request
+response carries it; and of those hits, the share a server fetched from the other's cache
+(`--prefix-cache-peers`, which `dsv4 up` gives every prefill server). Target: 2-prefill hit rate within
+10 points of 1-prefill's. Every request
 carries its conversation's `X-SMG-Routing-Key` (a chat user's, a shared-prompt user's), which
 `--router-policy manual` keeps on one prefill server and the other policies ignore.
 
@@ -89,6 +91,7 @@ QUERY_SERIES = tuple(
 HIT_SERIES = tuple(
     f"{n}prefix_cache_hits{t}" for n, t in (("vllm:", "_total"), ("dsv4_", "_total"), ("dsv4_engine_", ""))
 )
+PEER_SERIES = "dsv4_prefix_cache_peer_fetched_tokens_total"  # hits whose pages came from another server
 
 
 # ---- workload ----------------------------------------------------------------------------------
@@ -232,14 +235,15 @@ def up(procs: Procs, a: argparse.Namespace, spec: dict[str, Any], prefill: int) 
 # ---- /metrics ----------------------------------------------------------------------------------
 
 
-def scrape(base: str) -> tuple[float, float, str]:
-    """(prefix-cache queries, hits, the series read) summed over label sets; NaN when absent."""
+def scrape(base: str) -> tuple[float, float, float, str]:
+    """(prefix-cache queries, hits, of those the tokens fetched from peers' caches, the series read)
+    summed over label sets; NaN when absent (peer tokens: 0)."""
     try:
         r = httpx.get(f"{base}/metrics", timeout=10, trust_env=False)
         r.raise_for_status()
     except httpx.HTTPError as exc:
         print(f"warning: {base}/metrics: {type(exc).__name__}: {exc}")
-        return math.nan, math.nan, "unreachable"
+        return math.nan, math.nan, math.nan, "unreachable"
     values: dict[str, float] = {}
     for line in r.text.splitlines():
         if not line or line.startswith("#"):
@@ -247,10 +251,11 @@ def scrape(base: str) -> tuple[float, float, str]:
         m = re.match(r"^([^\s{]+)(?:\{[^}]*\})?\s+(\S+)", line)
         if m:
             values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
+    peer = values.get(PEER_SERIES, 0.0)
     for q, h in zip(QUERY_SERIES, HIT_SERIES, strict=True):
         if q in values and h in values:
-            return values[q], values[h], q
-    return math.nan, math.nan, "absent"
+            return values[q], values[h], peer, q
+    return math.nan, math.nan, peer, "absent"
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -349,7 +354,8 @@ class Run:
     rep: int
     wall: float
     results: list[Result]
-    metrics: dict[str, tuple[float, float]] = field(default_factory=dict)  # server -> (queries, hits) delta
+    # server -> (queries, hits, peer-fetched tokens) delta
+    metrics: dict[str, tuple[float, ...]] = field(default_factory=dict)
     series: str = ""
 
 
@@ -414,8 +420,8 @@ def measure(
     before = {name: scrape(url) for name, url in servers.items()}
     wall, results = asyncio.run(run_workload(base, wl, kind, a, labels, histories, turns))
     after = {name: scrape(url) for name, url in servers.items()}
-    metrics = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1]) for n in servers}
-    series = ",".join(sorted({after[n][2] for n in servers}))
+    metrics = {n: tuple(after[n][i] - before[n][i] for i in range(3)) for n in servers}
+    series = ",".join(sorted({after[n][3] for n in servers}))
     for name, url in servers.items():  # a server that died mid-run fails every request after: say which
         with contextlib.suppress(httpx.HTTPError):
             r = httpx.get(f"{url}/health", timeout=5, trust_env=False)
@@ -455,6 +461,7 @@ class Figures:
     hit_metrics: float  # NaN: no counters
     per_server: dict[str, float]  # prompt tokens each server was asked (its queries counter)
     series: str
+    peer_share: float  # of the hit tokens, those fetched from another server's cache (NaN: no hits)
 
 
 def figures(runs: Sequence[Run]) -> Figures:
@@ -470,11 +477,12 @@ def figures(runs: Sequence[Run]) -> Figures:
         else math.nan
     )
     per_server: dict[str, float] = {}
-    hits = 0.0
+    hits = peer = 0.0
     for run in runs:
-        for name, (q, h) in run.metrics.items():
+        for name, (q, h, p) in run.metrics.items():
             per_server[name] = per_server.get(name, 0.0) + q
             hits += h
+            peer += p
     queries = sum(per_server.values())
     return Figures(
         requests=len(results),
@@ -488,6 +496,7 @@ def figures(runs: Sequence[Run]) -> Figures:
         hit_metrics=hits / queries if queries else math.nan,
         per_server=per_server,
         series=",".join(sorted({run.series for run in runs})),
+        peer_share=peer / hits if hits else math.nan,
     )
 
 
@@ -594,6 +603,13 @@ def cluster_table(by: dict[str, dict[str, Figures]]) -> list[str]:
             ),
             row(f"{kind}: prompt tokens per prefill server", split(one), split(two), "", ""),
             row(
+                f"{kind}: of the hits, fetched from the other's cache",
+                pct(one.peer_share),
+                pct(two.peer_share),
+                "",
+                "",
+            ),
+            row(
                 f"{kind}: TTFT p50", ms(one.ttft_p50), ms(two.ttft_p50), ratio(two.ttft_p50, one.ttft_p50), ""
             ),
             row(
@@ -651,12 +667,15 @@ def write_csv(out: Path, runs: Sequence[Run]) -> None:
     with (out / "runs.csv").open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(
-            ["part", "config", "workload", "rep", "wall_s", "requests", "server", "series", "queries", "hits"]
+            [
+                *("part", "config", "workload", "rep", "wall_s", "requests", "server", "series"),
+                *("queries", "hits", "peer_tokens"),
+            ]
         )
         for run in runs:
-            for server, (q, h) in sorted(run.metrics.items()):
+            for server, (q, h, p) in sorted(run.metrics.items()):
                 head = [run.part, run.config, run.workload, run.rep, f"{run.wall:.3f}", len(run.results)]
-                w.writerow([*head, server, run.series, q, h])
+                w.writerow([*head, server, run.series, q, h, p])
 
 
 def plot(path: Path, runs: Sequence[Run]) -> None:

@@ -29,6 +29,8 @@ from dsv4_engine.memory.prefix_store import (
     PrefixExport,
     PrefixExporter,
     PrefixRecord,
+    ReadExtra,
+    export_prefix,
     import_prefixes,
     write_pages,
 )
@@ -388,20 +390,45 @@ class LLMEngine:
         """`export_prefix_cache` in parts: each `read(budget_s)` between two steps, also while requests
         run. A parallel server's ranks hold the same pages (its state is replicated), so rank 0's are
         read; the reads' row changes reach the other ranks through the journal as any step's do."""
-        drafter = self.runner.drafter
-        read = drafter.cache.export_window if drafter is not None else None
-        return PrefixExporter(self.allocator, self.kv_pool, self.runner.apply_state_copies, read, max_bytes)
+        return PrefixExporter(
+            self.allocator, self.kv_pool, self.runner.apply_state_copies, self._read_draft_window, max_bytes
+        )
 
-    def import_prefix_cache(self, records: Iterable[PrefixRecord]) -> int:
-        """Cache what `export_prefix_cache` gave (an engine whose layout fingerprint is this one's,
-        docs/memory.md "Persistent snapshots"), as long as free pages last; returns how many prefixes.
-        Before traffic. On a parallel server every rank writes the same pages: the allocator's
-        changes reach the others through its journal, the contents in a message of their own."""
+    def import_prefix_cache(self, records: Iterable[PrefixRecord], *, evict: bool = False) -> int:
+        """Cache what `export_prefix_cache` or `export_prefix` gave (an engine whose layout fingerprint
+        is this one's, docs/memory.md "Persistent snapshots"), as long as free pages last (evict: or
+        evictable ones); returns how many prefixes. Between steps. On a parallel server every rank
+        writes the same pages: the allocator's changes reach the others through its journal, the
+        contents in a message of their own."""
         write_extra = self._write_draft_window if self.runner.drafter is not None else None
         return import_prefixes(
             self.allocator, self.kv_pool, records, self.runner.apply_state_copies, self._write_pages,
-            write_extra,
+            write_extra, evict=evict,
         )  # fmt: skip
+
+    def export_prefix(self, tokens: list[int], base: int) -> PrefixRecord | None:
+        """The longest prefix of tokens the cache can resume at, as a record of its pages from base
+        on (`prefix_store.export_prefix`), for a peer that resumes at base already; between steps."""
+        return export_prefix(
+            self.allocator,
+            self.kv_pool,
+            self.runner.apply_state_copies,
+            self._read_draft_window,
+            tokens,
+            base,
+        )
+
+    @property
+    def _read_draft_window(self) -> ReadExtra | None:
+        """What else a record keeps with speculation on: the MTP layer's window rows."""
+        drafter = self.runner.drafter
+        return drafter.cache.export_window if drafter is not None else None
+
+    def resumable_length(self, tokens: list[int]) -> int:
+        """How long a prefix of tokens the cache could resume at now: a hint any thread may ask
+        (`PrefixCache.resumable_length`)."""
+        cache = self.allocator.prefix_cache
+        return cache.resumable_length(tokens) if cache is not None else 0
 
     def _write_draft_window(self, row: int, n: int, window: dict[str, torch.Tensor]) -> None:
         """An imported prefix's MTP window (none: {}) into the row, on every rank, before the

@@ -108,6 +108,7 @@ def server_argv(dep: Dsv4Deployment, local: Local, server: LocalServer) -> list[
         bootstrap_port=server.bootstrap_port,
         metrics_port=server.metrics_port,
         prefix_cache=local.prefix_cache_dir,
+        peers=[local.url(s.port) for s in local.role("prefill")],
     )
     return [*serve_command(), *args]
 

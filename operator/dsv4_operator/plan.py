@@ -8,6 +8,7 @@ The command lines are built by `serve_args` and `router_args`, which take the ho
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -147,9 +148,13 @@ def serve_args(
     bootstrap_port: int,
     metrics_port: int,
     prefix_cache: str | None = None,
+    peers: Sequence[str] = (),
 ) -> list[str]:
     """Arguments of `dsv4 serve` for one server of `role` (flag names: the engine's contract).
-    prefix_cache: the prefill servers' --prefix-cache-dir (the decode caches nothing)."""
+    prefix_cache: the prefill servers' --prefix-cache-dir (the decode caches nothing). peers: the
+    prefill servers' --prefix-cache-peers, every prefill server of the deployment (each leaves
+    itself out): the router 0.3.2 spreads a conversation's turns over them, and a server fetches
+    from the others' caches what its own lacks."""
     eng, rs = dep.spec.engine, getattr(dep.spec, role)
     args = [
         "--model", model,
@@ -167,6 +172,7 @@ def serve_args(
         *([] if eng.enforce_eager else ["--no-enforce-eager"]),
         *([] if eng.prefix_cache else ["--disable-radix-cache"]),
         *(_prefix_cache_args(eng, prefix_cache) if prefix_cache and role == "prefill" else []),
+        *(["--prefix-cache-peers", ",".join(peers)] if peers and eng.prefix_cache and role == "prefill" else []),
         # Both roles: the decode drafts, the prefill's MTP layer makes the first step's drafts.
         *(["--speculative-num-steps", str(eng.speculative_num_steps)] if eng.speculative_num_steps else []),
         "--disaggregation-mode", role,
@@ -188,7 +194,8 @@ def router_policy_args(dep: Dsv4Deployment) -> list[str]:
     # on every prefill pick of a bench/prefix.py run), whether given as `--prefill-policy` or as the
     # main `--policy`; no flag of 0.3.2 changes that. Fixed upstream in smg (sgl-model-gateway's
     # successor), PR #1520. `manual` works on 0.3.2: it keeps each X-SMG-Routing-Key on one server
-    # and needs no tree.
+    # and needs no tree. Whatever the pick, a prefill server fetches from the others' prefix caches
+    # what a prompt's prefix lacks (`--prefix-cache-peers`, serve_args).
     r = dep.spec.router
     return ["--pd-disaggregation", "--prefill-policy", r.prefill_policy, "--decode-policy", r.decode_policy]
 
@@ -251,13 +258,15 @@ def plan(
         ports = {PORT_HTTP: eng.port}
         ports |= {PORT_BOOTSTRAP: eng.bootstrap_port} if role == "prefill" else {}
         ports |= {PORT_METRICS: metrics}
+        role_name = f"{name}-{role}-{fp}"
+        # The role's headless Service resolves to every ready pod of it.
         args = serve_args(
             dep, role, model=path, host="0.0.0.0", port=eng.port, bootstrap_port=eng.bootstrap_port,
-            metrics_port=metrics, prefix_cache=prefix_cache_dir(dep),
+            metrics_port=metrics, prefix_cache=prefix_cache_dir(dep), peers=[f"http://{role_name}:{eng.port}"],
         )  # fmt: skip
         roles[role] = RolePlan(
             role=role,
-            name=f"{name}-{role}-{fp}",
+            name=role_name,
             replicas=getattr(spec, role).replicas,
             selector=sel,
             labels=common_labels(name) | {L_COMPONENT: role} | sel,

@@ -166,6 +166,42 @@ def test_imported_prefixes_resume_on_two_ranks(checkpoints: dict[str, Path]) -> 
         two.close()
 
 
+def test_a_fetched_prefix_evicts_and_resumes_on_two_ranks(checkpoints: dict[str, Path]) -> None:
+    """A prefix fetched from a peer (--prefix-cache-peers) into a 2-rank server whose cache has filled
+    its pool: a file's import would stop, the fetch evicts the least recently used prefixes on every
+    rank alike (each replays rank 0's allocation and evicts the same nodes), and a request resumed
+    from it answers as one rank without the cache. The 2-rank server's own export of a prefix then
+    resumes on one rank."""
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+
+    def make(**kwargs: object) -> LLM:
+        return LLM(checkpoints["A"], dtype="float32", max_model_len=1024, max_num_seqs=8,
+                   chunked_prefill_size=128, **kwargs)  # fmt: skip
+
+    prompt = random_ids(700, seed=41)
+    question = prompt + random_ids(20, seed=42)
+    peer = make(num_pages=64)
+    peer.generate([prompt], params)
+    rec = peer.engine.export_prefix(question, 0)
+    assert rec is not None
+    want = make(num_pages=64, disable_radix_cache=True).generate([question], params)[0].token_ids
+    two = make(tp_size=2, num_pages=12)
+    try:
+        two.generate([random_ids(700, seed=43 + i) for i in range(4)], params)  # its pool full of them
+        assert two.engine.import_prefix_cache([rec]) == 0
+        assert two.engine.import_prefix_cache([rec], evict=True) == 1
+        got = two.generate([question], params)[0]
+        assert got.num_cached_tokens == len(rec.tokens) and got.token_ids == want
+        back = two.engine.export_prefix(question, 0)
+        assert back is not None and back.tokens == rec.tokens
+    finally:
+        two.close()
+    fresh = make(num_pages=64)
+    assert fresh.engine.import_prefix_cache([back], evict=True) == 1
+    got = fresh.generate([question], params)[0]
+    assert got.num_cached_tokens == len(rec.tokens) and got.token_ids == want
+
+
 def test_imported_prefixes_keep_their_draft_window_on_two_ranks(checkpoints: dict[str, Path]) -> None:
     """Imported with speculation on, every rank puts the prefix's MTP window into its ring (a message
     of its own), so a request resumed from it with 3 more prompt tokens, fewer than the window,

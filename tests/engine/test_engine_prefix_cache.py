@@ -321,3 +321,70 @@ def test_an_export_between_steps_leaves_running_requests_as_they_were(make_llm, 
     with_export, version, exported = run(export=True)
     without, version_without, _ = run(export=False)
     assert exported > 0 and with_export == without and version == version_without
+
+
+def test_a_peer_exports_only_the_prefix_a_server_lacks(make_llm, assert_released) -> None:
+    """Two servers of one layout, each with part of a conversation cached: the one that saw fewer turns
+    asks how far each could resume the next turn (`resumable_length`, the hint a server reads without
+    the engine thread, equal to what a match finds), takes from the other the record of the pages from
+    its own resume point on (`export_prefix`, which leaves the exporter's cache as it was), caches it,
+    and answers the next turn from the deepest prefix as the cache-off engine does."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    peer, local = make_llm("A"), make_llm("A")
+    history = BASE[:300]
+    turns = []
+    for i in range(3):
+        history = history + peer.generate([history], params)[0].token_ids + random_ids(150, seed=700 + i)
+        turns.append(history)
+    local.generate([turns[0]], params)  # saw the first turn only
+    question = history + random_ids(30, seed=710)
+
+    def match(llm: LLM) -> int:
+        cache = llm.engine.allocator.prefix_cache
+        assert cache is not None
+        return cache.match(question, len(question), touch=False).length
+
+    have, deepest = local.engine.resumable_length(question), peer.engine.resumable_length(question)
+    assert (have, deepest) == (match(local), match(peer))
+    assert 0 < have < deepest
+    cache = peer.engine.allocator.prefix_cache
+    assert cache is not None
+    before, version = cache.resumable(), peer.engine.prefix_cache_version()
+    rec = peer.engine.export_prefix(question, have)
+    assert rec is not None and (rec.base, len(rec.tokens)) == (have, deepest)
+    assert rec.tokens == tuple(question[:deepest])
+    assert cache.resumable() == before and peer.engine.prefix_cache_version() == version
+    assert peer.engine.export_prefix(question, deepest) is None  # nothing longer than the asker's own
+
+    assert local.engine.import_prefix_cache([rec], evict=True) == 1
+    assert local.engine.resumable_length(question) == deepest
+    got = local.generate([question], params)[0]
+    want = make_llm("A", disable_radix_cache=True).generate([question], params)[0]
+    assert got.num_cached_tokens == deepest and got.token_ids == want.token_ids
+    for llm in (peer, local):
+        assert_released(llm)
+        assert llm.engine.resumable_length(question) == 0  # flushed
+
+
+def test_a_fetched_prefix_evicts_older_ones_where_a_file_import_stops(make_llm, assert_released) -> None:
+    """A pool the cache has filled: a record from a file is refused rather than evict what is cached,
+    but one fetched for a request about to resume from it (evict=True) takes the least recently used
+    pages, and the request resumes there."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    peer = make_llm("A")
+    prompt = random_ids(700, seed=720)
+    peer.generate([prompt], params)
+    question = prompt + random_ids(20, seed=721)
+    rec = peer.engine.export_prefix(question, 0)
+    assert rec is not None and rec.base == 0
+
+    local = make_llm("A", num_pages=12)
+    for i in range(4):  # fill the pool with other prefixes
+        local.generate([random_ids(700, seed=730 + i)], params)
+    assert local.engine.import_prefix_cache([rec]) == 0
+    assert local.engine.import_prefix_cache([rec], evict=True) == 1
+    got = local.generate([question], params)[0]
+    want = make_llm("A", disable_radix_cache=True).generate([question], params)[0]
+    assert got.num_cached_tokens == len(rec.tokens) and got.token_ids == want.token_ids
+    assert_released(local)
+    assert_released(peer)

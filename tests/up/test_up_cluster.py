@@ -209,6 +209,23 @@ def prompt_tokens(base: str) -> float:
     return sum(v for (name, _), v in scrape(base).items() if name == "vllm:prompt_tokens_total")
 
 
+def two_prefill_servers(
+    tiny_model: Path, spec_for: Any, up: Any, tmp_path: Path, policy: str
+) -> tuple[openai.OpenAI, list[str]]:
+    """`dsv4 up` with 2 prefill servers behind the router's prefill `policy`: a client on it, and the
+    prefill servers' URLs."""
+    doc = yaml.safe_load(spec_for(tiny_model).read_text())
+    doc["spec"]["prefill"]["replicas"] = 2
+    doc["spec"]["router"]["prefillPolicy"] = policy
+    spec = tmp_path / f"two-prefill-{policy}.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    run = up(spec)
+    api = client(run.endpoint())  # once the router serves
+    prefills = sorted((u for n, (_, u) in run.children().items() if n.startswith("prefill-")))
+    assert len(prefills) == 2
+    return api, prefills
+
+
 def test_manual_prefill_policy_keeps_a_conversation_on_one_prefill_server(
     tiny_model: Path, spec_for: Any, up: Any, tmp_path: Path
 ) -> None:
@@ -217,15 +234,7 @@ def test_manual_prefill_policy_keeps_a_conversation_on_one_prefill_server(
     history from that server's prefix cache. (sglang-router 0.3.2's cache_aware picks a PD prefill
     server at random: the upstream bug docs/foundation.md names.) Random picks would keep all 4
     conversations' 3 turns each together with probability 1/4^4."""
-    doc = yaml.safe_load(spec_for(tiny_model).read_text())
-    doc["spec"]["prefill"]["replicas"] = 2
-    doc["spec"]["router"]["prefillPolicy"] = "manual"
-    spec = tmp_path / "manual.yaml"
-    spec.write_text(yaml.safe_dump(doc))
-    run = up(spec)
-    api = client(run.endpoint())
-    prefills = sorted((u for n, (_, u) in run.children().items() if n.startswith("prefill-")))
-    assert len(prefills) == 2
+    api, prefills = two_prefill_servers(tiny_model, spec_for, up, tmp_path, "manual")
     served: dict[str, set[str]] = {}
     cached: dict[str, list[int]] = {}
     for conv in ("a", "b", "c", "d"):
@@ -247,6 +256,46 @@ def test_manual_prefill_policy_keeps_a_conversation_on_one_prefill_server(
             history.append({"role": "assistant", "content": out.choices[0].message.content or ""})
     assert all(len(servers) == 1 for servers in served.values()), served
     assert all(c[1] > 0 and c[2] > c[1] for c in cached.values()), cached  # each turn resumed the last
+
+
+def test_turns_resume_their_history_on_either_prefill_server(
+    tiny_model: Path, spec_for: Any, up: Any, tmp_path: Path
+) -> None:
+    """Two prefill servers behind the default policy (cache_aware, which sglang-router 0.3.2 applies
+    to PD prefill as a random pick): a turn that reaches the server its conversation's last turn did
+    not fetches the history's state from the other (--prefix-cache-peers, which dsv4 up gives every
+    prefill server), so every later turn resumes the turn before it wherever it lands. Turns that
+    changed server are counted as the peer fetches the servers report."""
+    from prometheus_util import scrape
+
+    api, prefills = two_prefill_servers(tiny_model, spec_for, up, tmp_path, "cache_aware")
+
+    def fetched() -> float:
+        key = ("dsv4_prefix_cache_peer_fetches_total", (("outcome", "fetched"),))
+        return sum(scrape(u).get(key, 0.0) for u in prefills)
+
+    moved = 0
+    for conv in ("a", "b", "c", "d"):
+        history: list[dict[str, str]] = []
+        last, cached = None, 0
+        for turn in range(3):
+            history.append(
+                {"role": "user", "content": f"Conversation {conv}, turn {turn}: " + "tell me more. " * 40}
+            )
+            before, fetches = [prompt_tokens(u) for u in prefills], fetched()
+            out = api.chat.completions.create(
+                model="dsv4-tiny", messages=history, max_tokens=4, temperature=0
+            )
+            (server,) = [u for u, b in zip(prefills, before, strict=True) if prompt_tokens(u) > b]
+            details = out.usage.prompt_tokens_details if out.usage else None
+            now = details.cached_tokens if details else 0
+            if turn:
+                assert now > cached, (conv, turn, now, cached)  # resumed at least the turn before
+                moved += server != last
+                assert fetched() - fetches == (server != last), (conv, turn)
+            last, cached = server, now
+            history.append({"role": "assistant", "content": out.choices[0].message.content or ""})
+    print(f"{moved} of 8 later turns reached the other prefill server")
 
 
 def test_lm_eval_through_up(tiny_model: Path, spec_for: Any, up: Any, lm_eval: Any) -> None:

@@ -17,13 +17,13 @@ import yaml
 from dsv4_operator import local as lc
 from dsv4_operator import up
 from dsv4_operator.manifests import render
-from dsv4_operator.plan import ASCEND_SERVE_COMMAND, ROUTER_COMMAND, SERVE_COMMAND
+from dsv4_operator.plan import ASCEND_SERVE_COMMAND, ROUTER_COMMAND, SERVE_COMMAND, plan
 from dsv4_operator.spec import Dsv4Deployment, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 # The flags whose values differ locally, each replaced by a placeholder before comparing.
-SERVER_LOCAL = {"--host", "--port", "--bootstrap-port", "--metrics-port", "--model"}
+SERVER_LOCAL = {"--host", "--port", "--bootstrap-port", "--metrics-port", "--model", "--prefix-cache-peers"}
 ROUTER_LOCAL = {"--host", "--port", "--prometheus-host", "--prometheus-port", "--tokenizer-path", "--api-key"}
 POD_DISCOVERY = {
     "--service-discovery",
@@ -99,6 +99,15 @@ def test_local_processes_get_the_pods_arguments(path: Path, api_key: bool) -> No
         values = dict((g[0], g[1:]) for g in groups(mine))
         assert values["--host"] == [lc.HOST] and values["--model"] == ["/here/model"]
         assert values["--port"] == [str(server.port)]
+        if server.role == "prefill" and dep.spec.engine.prefix_cache:  # pods: the role's headless Service
+            want = ",".join(lo.url(s.port) for s in lo.role("prefill"))
+            assert values["--prefix-cache-peers"] == [want]
+            rp = plan(dep).prefill
+            assert dict((g[0], g[1:]) for g in groups(pod["args"]))["--prefix-cache-peers"] == [
+                f"http://{rp.name}:{dep.spec.engine.port}"
+            ]
+        else:
+            assert "--prefix-cache-peers" not in values
         assert values["--metrics-port"] == [str(server.metrics_port)] != values["--port"]
     pod = container(objs, "Deployment", "router")
     assert pod["command"] == list(ROUTER_COMMAND)

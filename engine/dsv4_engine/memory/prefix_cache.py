@@ -53,6 +53,11 @@ class _Node:
     slot: int = 0  # the snapshot's C4 state rows (0: the model has no ratio-4 layer)
     last_used: int = 0  # the last match or insert through this node
     snapshot_used: int = 0  # when its snapshot was taken or last resumed from
+    chain: int = 0  # its tokens' hash (`_chain` of its parent's and its key)
+
+
+def _chain(parent: int, key: tuple[int, ...]) -> int:
+    return hash((parent, key))
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class PrefixCache:
         self.num_nodes = 0
         self.num_snapshots = 0
         self.changes = 0  # entries added or dropped so far: a saved copy is current while it is unchanged
+        self._resumable: set[int] = set()  # `chain` of every node with a snapshot (`resumable_length`)
 
     def _page_key(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
         p = self.page_size
@@ -149,7 +155,9 @@ class PrefixCache:
             child = node.children.get(key)
             if child is None:
                 self.pools["full"].cache_hold(full[k])
-                child = node.children[key] = _Node(parent=node, key=key, page=full[k], depth=k + 1)
+                child = node.children[key] = _Node(
+                    parent=node, key=key, page=full[k], depth=k + 1, chain=_chain(node.chain, key)
+                )
                 self.num_nodes += 1
                 self.changes += 1
             child.last_used = now
@@ -166,8 +174,23 @@ class PrefixCache:
                     self.pools[fam].cache_hold(page)
             node.snapshot = {fam: dict(pages) for fam, pages in snapshot.items()}
             node.snapshot_used = now
+            self._resumable.add(node.chain)
             self.num_snapshots += 1
             self.changes += 1
+
+    def resumable_length(self, tokens: Sequence[int]) -> int:
+        """How long a prefix of tokens a request could resume at now, as `match` finds it but from
+        the tokens' hashes alone, touching no node: so another thread may ask it while the engine
+        steps (a server deciding whether a peer's cache holds more: server/prefix_peers.py). It reads
+        one set, which the engine thread changes only in whole operations under the GIL. An answer
+        is a hint: the next step may evict the prefix, and two prefixes of equal hash (2^-64) would
+        be confused, so a caller matches again before it uses the pages."""
+        p, h, best, known = self.page_size, self.root.chain, 0, self._resumable
+        for k in range(len(tokens) // p):
+            h = _chain(h, tuple(tokens[k * p : (k + 1) * p]))
+            if h in known:
+                best = k + 1
+        return best * p
 
     def resumable(self) -> list[Resumable]:
         """Every prefix a request can resume at (a node with a snapshot), shorter first."""
@@ -201,6 +224,7 @@ class PrefixCache:
             self.copies.cancel_save(node.slot)
             self.slots.free([node.slot])
         node.snapshot, node.slot = None, 0
+        self._resumable.discard(node.chain)
         self.num_snapshots -= 1
         self.changes += 1
 
@@ -265,5 +289,6 @@ class PrefixCache:
                 self._drop_snapshot(node)
             self.pools["full"].cache_drop(node.page)
         self.root.children = {}
+        self._resumable.clear()
         self.num_nodes = 0
         self.changes += 1

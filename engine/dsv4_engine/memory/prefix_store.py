@@ -18,8 +18,9 @@ the longest one that did.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,78 @@ def _entries(
         lo = swa_window_start(n, kv.layout.window, p) if state_type == StateType.SWA else 0
         out[state_type] = [(lo + j * p, page) for j, page in enumerate(build()) if page]
     return out
+
+
+# What `_resumed` yields instead of a row: no request row free; the prefix is no longer cached; no C4
+# state page to restore its snapshot into.
+NO_ROW, GONE, BUSY = -1, -2, -3
+
+
+@contextlib.contextmanager
+def _resumed(alloc: Dsv4Allocator, apply_copies: Callable[[], None], tokens: Sequence[int]) -> Iterator[int]:
+    """A scratch request row resumed at the end of tokens (a resumable prefix), as a request resuming
+    there holds it, its snapshot's C4 rows restored; freed after. Leaves the cache's LRU order as it
+    was."""
+    row = alloc.alloc_request()
+    if row is None:
+        yield NO_ROW
+        return
+    try:
+        state_pages = alloc.num_free().get("c4s", 1)
+        if alloc.match_prefix(row, tokens, len(tokens), touch=False).length != len(tokens):
+            yield GONE if state_pages else BUSY
+            return
+        apply_copies()  # the snapshot's C4 rows into the row's own state page
+        yield row
+    finally:
+        alloc.free(row)
+
+
+def _page_ids(
+    kv: Dsv4TokenToKVPool, alloc: Dsv4Allocator, row: int, n: int, base: int
+) -> dict[StateType, torch.Tensor]:
+    """Per state type, the pages of a row of length n that cover positions from base on."""
+    return {
+        state_type: torch.tensor([pg for pos, pg in entries if pos >= base], dtype=torch.long)
+        for state_type, entries in _entries(kv, alloc, row, n).items()
+    }
+
+
+def _record(
+    buffers: dict[StateType, list[torch.Tensor]],
+    ids: dict[StateType, torch.Tensor],
+    tokens: Sequence[int],
+    base: int,
+    extra: dict[str, torch.Tensor] | None,
+) -> PrefixRecord:
+    pages = {t: [b.index_select(0, v.to(b.device)).cpu() for b in buffers[t]] for t, v in ids.items()}
+    return PrefixRecord(tuple(tokens), base, pages, extra or {})
+
+
+def export_prefix(
+    alloc: Dsv4Allocator,
+    kv: Dsv4TokenToKVPool,
+    apply_copies: Callable[[], None],
+    read_extra: ReadExtra | None,
+    tokens: Sequence[int],
+    base: int,
+) -> PrefixRecord | None:
+    """The record of the longest prefix of tokens the cache can resume at, with the pages of its
+    positions from base on (a prefix the importer resumes at already), for a peer server to import
+    (server/prefix_peers.py); between steps. None when that prefix is no longer than base, or no
+    request row or C4 state page is free to read it through. Leaves the cache's LRU order as it was
+    (so the replicated caches of a parallel server stay equal)."""
+    cache = alloc.prefix_cache
+    if cache is None or base % alloc.page_size:
+        return None
+    n = cache.match(tokens, len(tokens), touch=False).length
+    if n <= base:
+        return None
+    with _resumed(alloc, apply_copies, tokens[:n]) as row:
+        if row < 0:
+            return None
+        extra = read_extra(row, n) if read_extra is not None else None
+        return _record(kv.buffers_by_type(), _page_ids(kv, alloc, row, n, base), tokens[:n], base, extra)
 
 
 @dataclass(frozen=True)
@@ -139,41 +212,30 @@ class PrefixExporter:
     def _read_one(self, i: int) -> bool:
         """Read prefix i into a record unless it is over the cap or no longer cached; False when no
         request row is free."""
-        alloc, kv = self.alloc, self.kv
         tokens, parent, _ = self.prefixes[i]
-        n = len(tokens)
         while parent >= 0 and parent not in self.exported:  # the longest exported prefix of its own
             parent = self.prefixes[parent].parent
         base = len(self.prefixes[parent].tokens) if parent >= 0 else 0
-        row = alloc.alloc_request()
-        if row is None:
-            return False
-        try:
-            state_pages = alloc.num_free().get("c4s", 1)
-            if alloc.match_prefix(row, tokens, n, touch=False).length != n:
-                if state_pages:
-                    self.gone += 1  # dropped since the export began
-                else:
-                    self.busy += 1  # no C4 state page to restore its snapshot into
+        with _resumed(self.alloc, self.apply_copies, tokens) as row:
+            if row == NO_ROW:
+                return False
+            if row == GONE:  # dropped since the export began
+                self.gone += 1
                 return True
-            self.apply_copies()  # the snapshot's C4 rows into the row's own state page
-            ids = {
-                state_type: torch.tensor([pg for pos, pg in entries if pos >= base], dtype=torch.long)
-                for state_type, entries in _entries(kv, alloc, row, n).items()
-            }
-            size = sum(len(v) * self.page_bytes[t] for t, v in ids.items()) + 8 * n
+            if row == BUSY:
+                self.busy += 1
+                return True
+            ids = _page_ids(self.kv, self.alloc, row, len(tokens), base)
+            size = sum(len(v) * self.page_bytes[t] for t, v in ids.items()) + 8 * len(tokens)
             if self.max_bytes is not None and self.total + size > self.max_bytes:
                 self.over_cap += 1
                 return True
-            bufs = self.buffers
-            pages = {t: [b.index_select(0, v.to(b.device)).cpu() for b in bufs[t]] for t, v in ids.items()}
-            extra = self.read_extra(row, n) if self.read_extra is not None else {}
-            self.records.append(PrefixRecord(tokens, base, pages, extra))
+            extra = self.read_extra(row, len(tokens)) if self.read_extra is not None else None
+            rec = _record(self.buffers, ids, tokens, base, extra)
+            self.records.append(rec)
             self.exported.add(i)
-            self.total += size + sum(t.numel() * t.element_size() for t in extra.values())
+            self.total += size + sum(t.numel() * t.element_size() for t in rec.extra.values())
             return True
-        finally:
-            alloc.free(row)
 
     def result(self) -> PrefixExport:
         """What was read (once `read` returned True)."""
@@ -196,10 +258,14 @@ def import_prefixes(
     apply_copies: Callable[[], None],
     write: Callable[[PageWrites], None] | None = None,
     write_extra: WriteExtra | None = None,
+    *,
+    evict: bool = False,
 ) -> int:
     """Cache the records' prefixes, in order, as a prefill of each would have; returns how many. A
     record already cached, or whose base is not (its parent was not imported), is skipped; importing
-    stops when the pools have no free pages or snapshot slot for the next one (it never evicts).
+    stops when the pools have no free pages or snapshot slot for the next one: it never evicts, so a
+    file's records do not push out the ones before them, unless `evict` (a prefix a request is about
+    to resume at, fetched from a peer: it is the most recently used of all).
     Raises ValueError when a record's pages do not fit this layout (the caller checked the
     fingerprint; a damaged record). write: puts page contents into the pools (default `write_pages`
     on kv; a parallel server's also sends them to its other ranks); write_extra: a record's extra into
@@ -220,10 +286,14 @@ def import_prefixes(
                 continue
             apply_copies()
             spec = ExtendSpec(row, hit, n)
-            need, free = alloc.pages_needed([spec]), alloc.num_free()
-            slots = alloc.snapshot_slots
-            if any(need[f] > free[f] for f in need) or (slots.num_pages and not slots.num_free):
-                break  # no room without evicting what came before
+            if evict:
+                if not alloc.can_alloc([spec]):
+                    break  # running requests hold the pages (the cache takes a snapshot slot itself)
+            else:
+                need, free = alloc.pages_needed([spec]), alloc.num_free()
+                slots = alloc.snapshot_slots
+                if any(need[f] > free[f] for f in need) or (slots.num_pages and not slots.num_free):
+                    break  # no room without evicting what came before
             alloc.alloc_extend([spec])
             writes: PageWrites = {}
             for state_type, entries in _entries(kv, alloc, row, n).items():

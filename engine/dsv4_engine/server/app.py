@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from dsv4_engine.server import (
     openai_routes,
+    prefix_peers,
     responses,
     sglang_routes,
     test_hooks,
@@ -33,6 +34,7 @@ from dsv4_engine.server.generation import GenSpec, Lease, outcomes, sampling_par
 from dsv4_engine.server.metrics import CONTENT_TYPE
 from dsv4_engine.server.middleware import ServingMiddleware
 from dsv4_engine.server.prefix_file import PrefixCacheFile
+from dsv4_engine.server.prefix_peers import PrefixPeers
 from dsv4_engine.server.preflight import resolve_device
 from dsv4_engine.server.state import Phase, ServerContext
 
@@ -100,6 +102,8 @@ async def _start_serving(
         await warm_up(ctx)
         if prefix_cache is not None:
             await prefix_cache.restore()
+        if ctx.peers is not None:
+            await ctx.peers.start()
     except asyncio.CancelledError:
         raise
     except BaseException as exc:
@@ -193,6 +197,8 @@ def create_app(
     ctx = ServerContext(settings)
     factory = engine_factory or default_engine_factory(settings)
     prefix_cache = PrefixCacheFile(ctx) if settings.prefix_cache_dir is not None else None
+    if settings.prefix_cache_peers:
+        ctx.peers = PrefixPeers(ctx, settings.prefix_cache_peers, settings.prefix_cache_peer_timeout)
 
     def render_metrics() -> Response:
         if ctx.pd is not None:
@@ -218,6 +224,8 @@ def create_app(
                 await loader
             if prefix_cache is not None:
                 await prefix_cache.close(drained=ctx.phase == Phase.DRAINING)
+            if ctx.peers is not None:
+                await ctx.peers.close()
             if settings.disaggregation_mode != "null":
                 from dsv4_engine.server import pd
 
@@ -233,6 +241,7 @@ def create_app(
     app.include_router(responses.router)
     app.include_router(sglang_routes.router)
     app.include_router(tokenizer_routes.router)
+    app.include_router(prefix_peers.router)
     if test_hooks.enabled():
         app.include_router(test_hooks.router)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,8 @@ class ServerSettings(EngineOptions):
     prefix_cache_dir: str | None = None
     prefix_cache_save_interval: float = 300.0
     prefix_cache_max_bytes: int | None = None
+    prefix_cache_peers: list[str] = field(default_factory=list)
+    prefix_cache_peer_timeout: float = 2.0
     log_level: str = "info"
     chat_template: str | None = None  # a template file, or the template itself (`prompts.py`)
     tool_call_parser: str = TOOL_CALL_PARSERS[0]
@@ -74,6 +77,14 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def _urls(text: str) -> list[str]:
+    urls = [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+    for url in urls:
+        if not re.fullmatch(r"https?://[^/\s]+", url):
+            raise argparse.ArgumentTypeError(f"expected base URLs such as http://host:port, got {url!r}")
+    return urls
 
 
 def _seconds(text: str) -> float:
@@ -218,6 +229,22 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: every prefix)",
     )
     p.add_argument(
+        "--prefix-cache-peers",
+        type=_urls,
+        default=[],
+        help="comma-separated base URLs of servers of the same checkpoint and memory layout whose "
+        "prefix caches this one fetches from when they resume a prompt further than its own (a host "
+        "resolving to several addresses, such as a headless Service, means every one; this server's "
+        "own address and port is left out, so a role's servers can share one list) (default: none)",
+    )
+    p.add_argument(
+        "--prefix-cache-peer-timeout",
+        type=_seconds,
+        default=2.0,
+        help="with --prefix-cache-peers: the most seconds a request waits for them before it prefills "
+        "without",
+    )
+    p.add_argument(
         "--chat-template",
         help="the chat template (Jinja): a file, or the template text itself, as vLLM's flag; it "
         "replaces the checkpoint's for /v1/chat/completions, /v1/responses and /tokenize "
@@ -261,4 +288,6 @@ def parse(argv: list[str]) -> ServerSettings:
         values["bootstrap_port"],
     ):
         build_parser().error("--metrics-port must differ from --port and --bootstrap-port")
+    if values["prefix_cache_peers"] and values.get("disable_radix_cache"):
+        build_parser().error("--prefix-cache-peers needs the prefix cache: drop --disable-radix-cache")
     return ServerSettings(**values)

@@ -24,7 +24,16 @@ from starlette.background import BackgroundTask
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.server import pd
 from dsv4_engine.server.errors import ApiError, bad_request
-from dsv4_engine.server.generation import GenSpec, Lease, Outcome, Piece, check_token_ids, outcomes, start_all
+from dsv4_engine.server.generation import (
+    GenSpec,
+    Lease,
+    Outcome,
+    Piece,
+    admit,
+    check_token_ids,
+    outcomes,
+    start_all,
+)
 from dsv4_engine.server.middleware import IGNORED_FIELDS_STATE, field_list
 from dsv4_engine.server.native_protocol import GenerateRequest, GenerateSamplingParams
 from dsv4_engine.server.protocol import SamplingRequest
@@ -134,7 +143,7 @@ class Call:
         check_pd_fields(ctx, req)
         return cls(ctx, request, kind, arrival, metrics, logs)
 
-    def start(
+    async def start(
         self,
         req: SamplingRequest | GenerateRequest,
         spec: GenSpec,
@@ -143,12 +152,25 @@ class Call:
         n: int,
     ) -> Streams:
         """Hand every sequence (n per prompt, prompt-major) to the engine, or on a PD server to its
-        half of the protocol; one stream of pieces and an outcome per sequence."""
-        targets = pd.targets(self.ctx, req, len(seqs) // n, n)
+        half of the protocol; one stream of pieces and an outcome per sequence. With
+        --prefix-cache-peers, first fetch what a peer's cache holds of each prompt beyond this
+        server's; the request is in flight meanwhile, so a drain waits for it."""
+        ctx = self.ctx
+        targets = pd.targets(ctx, req, len(seqs) // n, n)
+        admitted = None
+        if ctx.peers is not None:
+            admitted = admit(ctx, len(seqs), targets)
+            try:
+                await ctx.peers.fill(seqs[::n])
+            except BaseException:  # cancelled: the client left before its request started
+                admitted()
+                if targets:
+                    pd.abort_rooms(ctx, targets, "cancelled", "the request ended before it started")
+                raise
         self.lease = start_all(
-            self.ctx, seqs, params, arrival=self.arrival, observe=self.metrics, targets=targets
+            ctx, seqs, params, arrival=self.arrival, observe=self.metrics, targets=targets, admitted=admitted
         )
-        return [outcomes(self.ctx, h, spec) for h in self.lease.handles]
+        return [outcomes(ctx, h, spec) for h in self.lease.handles]
 
     def finished(self, out: Outcome) -> None:
         """Per-request metrics and one log line (x-request-id included, never the prompt)."""

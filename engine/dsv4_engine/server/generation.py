@@ -196,6 +196,21 @@ class Lease:
         self._release()
 
 
+def admit(ctx: ServerContext, n: int, targets: list[Any] | None) -> Callable[[], None]:
+    """Refuse (503) if the server cannot take n more sequences now, else count them in flight (a
+    drain waits for them); returns the release. A PD server that refuses ends the rooms too: a
+    refusing decode tells the prefill, whose response then ends as well."""
+    from dsv4_engine.server import pd
+
+    try:
+        ctx.check_admission(n)
+    except ApiError as err:
+        if targets:
+            pd.abort_rooms(ctx, targets, err.code or "refused", err.message)
+        raise
+    return ctx.enter()
+
+
 def start_all(
     ctx: ServerContext,
     prompts: list[list[int]],
@@ -204,18 +219,14 @@ def start_all(
     arrival: float,
     observe: bool = True,
     targets: list[Any] | None = None,
+    admitted: Callable[[], None] | None = None,
 ) -> Lease:
-    """Admit and start every sequence of one HTTP request (no await between admission and engine).
+    """Admit and start every sequence of one HTTP request (no await between admission and engine,
+    unless `admitted`: the release `admit` gave, the request in flight since).
     `targets`: one PdTarget per prompt on a prefill or decode server (server/pd.py)."""
     from dsv4_engine.server import pd
 
-    try:
-        ctx.check_admission(len(prompts))
-    except ApiError as err:
-        if targets:  # a decode server that refuses tells the prefill, whose response then ends too
-            pd.abort_rooms(ctx, targets, err.code or "refused", err.message)
-        raise
-    release = ctx.enter()
+    release = admitted if admitted is not None else admit(ctx, len(prompts), targets)
     handles: list[RequestHandle] = []
     try:
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):

@@ -366,6 +366,26 @@ class ServerMetrics:
             "the cache is unchanged, so alert on its age only beside traffic.",
             registry=r,
         )
+        self.peer_fetches = Counter(
+            f"{PREFIX}_prefix_cache_peer_fetches",
+            "Prompts that lacked more than a page of their prefix here, by what --prefix-cache-peers "
+            "gave: fetched (a peer's cache resumed further), none (no peer's did), failed (a peer "
+            "failed, differed in layout, or did not answer in time).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("fetched", "none", "failed"):
+            self.peer_fetches.labels(outcome)
+        self.peer_tokens = Counter(
+            f"{PREFIX}_prefix_cache_peer_fetched_tokens",
+            "Prompt tokens whose state was fetched from --prefix-cache-peers instead of prefilled.",
+            registry=r,
+        )
+        self.peer_exports = Counter(
+            f"{PREFIX}_prefix_cache_peer_exports",
+            "Prefixes this server's cache gave to peers (POST /prefix_cache/fetch).",
+            registry=r,
+        )
         r.register(_EngineCollector(engine_snapshot))
         r.register(_VllmCollector(self, engine_snapshot))
 

@@ -108,7 +108,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         spec.hide_output = True
     seqs, params = prepare_sequences(ctx, spec, prompts, max(requested, 1), n, "prompt", "max_tokens")
     echoes = [(p if isinstance(p, str) else ctx.tokenizer.decode(p)) if req.echo else "" for p in texts]
-    streams = call.start(req, spec, seqs, params, n)
+    streams = await call.start(req, spec, seqs, params, n)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     shape = _Choices(ctx, req, prompts, echoes, n)
@@ -278,7 +278,7 @@ async def start_chat(call: Call, req: ChatCompletionRequest) -> tuple[Streams, l
     spec.grammar = chat or spec.grammar
     n = req.n or 1
     seqs, params = prepare_sequences(ctx, spec, [ids], req.token_limit(), n, "messages", limit)
-    return call.start(req, spec, seqs, params, n), ids, spec
+    return await call.start(req, spec, seqs, params, n), ids, spec
 
 
 @router.post("/v1/chat/completions", response_model=None)

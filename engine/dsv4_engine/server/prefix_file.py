@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import socket
+import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -109,17 +110,47 @@ def opened(path: Path, fingerprint: dict[str, Any]) -> Iterator[tuple[int, Itera
         diff = fingerprint_diff(fingerprint, theirs)
         if diff is not None:
             raise ValueError(f"{path} was written by a server of another layout: {diff}")
+        yield len(index), (_record(f.get_tensor, i, entry) for i, entry in enumerate(index))
 
-        def records() -> Iterator[PrefixRecord]:
-            for i, entry in enumerate(index):
-                pages: dict[StateType, list[torch.Tensor]] = {}
-                for name, count in entry["buffers"].items():
-                    pages[StateType[name]] = [f.get_tensor(f"{i}.{name}.{b}") for b in range(count)]
-                tokens = tuple(f.get_tensor(f"{i}.tokens").tolist())
-                extra = {k: f.get_tensor(f"{i}.extra.{k}") for k in entry.get("extra", [])}
-                yield PrefixRecord(tokens, int(entry["base"]), pages, extra)
 
-        yield len(index), records()
+def _record(get: Callable[[str], torch.Tensor], i: int, entry: dict[str, Any]) -> PrefixRecord:
+    """Record i of a file or packed blob (`contents`' names; `get` reads a tensor by name)."""
+    pages = {
+        StateType[name]: [get(f"{i}.{name}.{b}") for b in range(count)]
+        for name, count in entry["buffers"].items()
+    }
+    extra = {k: get(f"{i}.extra.{k}") for k in entry.get("extra", [])}
+    return PrefixRecord(tuple(get(f"{i}.tokens").tolist()), int(entry["base"]), pages, extra)
+
+
+def pack(records: list[PrefixRecord], fingerprint: dict[str, Any]) -> bytes:
+    """Records as a file's bytes, for a peer server (server/prefix_peers.py)."""
+    from safetensors.torch import save
+
+    tensors, meta = contents(records, fingerprint)
+    return save({k: t.contiguous() for k, t in tensors.items()}, metadata=meta)
+
+
+def unpack(blob: bytes, fingerprint: dict[str, Any]) -> list[PrefixRecord]:
+    """What `pack` made under `fingerprint`; ValueError naming what differs or is damaged otherwise."""
+    from safetensors.torch import load
+
+    from dsv4_engine.disagg.fingerprint import fingerprint_diff
+
+    try:
+        (size,) = struct.unpack("<Q", blob[:8])  # safetensors: the header's length, then the header
+        meta = json.loads(blob[8 : 8 + size]).get("__metadata__") or {}
+        theirs, index = json.loads(meta["fingerprint"]), json.loads(meta["records"])
+        tensors = load(blob)
+    except Exception as exc:  # short, not JSON, no metadata, or safetensors' own error
+        raise ValueError(f"not prefix-cache records: {exc!r}") from exc
+    diff = fingerprint_diff(fingerprint, theirs)
+    if diff is not None:
+        raise ValueError(f"records of a server of another layout: {diff}")
+    try:
+        return [_record(tensors.__getitem__, i, entry) for i, entry in enumerate(index)]
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"damaged prefix-cache records: {exc!r}") from exc
 
 
 def read(path: Path, fingerprint: dict[str, Any]) -> list[PrefixRecord]:
@@ -160,16 +191,16 @@ def make_room(
     return removed
 
 
-async def _fingerprint(ctx: ServerContext) -> dict[str, Any]:
-    """This server's layout fingerprint (a PD server has computed it already)."""
-    if ctx.fingerprint is not None:
-        return ctx.fingerprint
-    from dsv4_engine.disagg.checkpoint import checkpoint_digest
-    from dsv4_engine.disagg.fingerprint import layout_fingerprint
+async def server_fingerprint(ctx: ServerContext) -> dict[str, Any]:
+    """This server's layout fingerprint, computed once (a PD server's setup did already)."""
+    if ctx.fingerprint is None:
+        from dsv4_engine.disagg.checkpoint import checkpoint_digest
+        from dsv4_engine.disagg.fingerprint import layout_fingerprint
 
-    engine = ctx.engine
-    digest = await asyncio.to_thread(checkpoint_digest, ctx.settings.model)
-    return layout_fingerprint(engine.layout, engine.kv_pool.pd_state_components(), digest)
+        engine = ctx.engine
+        digest = await asyncio.to_thread(checkpoint_digest, ctx.settings.model)
+        ctx.fingerprint = layout_fingerprint(engine.layout, engine.kv_pool.pd_state_components(), digest)
+    return ctx.fingerprint
 
 
 def file_name(owner: str) -> str:
@@ -220,7 +251,7 @@ class PrefixCacheFile:
         """At start, before ready: import the files written under this layout, while pools have room."""
         ctx = self.ctx
         assert ctx.bridge is not None
-        self.fingerprint = await _fingerprint(ctx)
+        self.fingerprint = await server_fingerprint(ctx)
         fingerprint = self.fingerprint
         files = self.files()
         if not files:

@@ -307,7 +307,7 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
         ctx, spec, prompts, requested, n, prompt_param, "sampling_params.max_new_tokens",
         min_tokens_param="sampling_params.min_new_tokens",
     )  # fmt: skip
-    streams = call.start(req, spec, seqs, params, n)
+    streams = await call.start(req, spec, seqs, params, n)
     if req.stream:
         return call.stream(_stream(call, streams, rids[0], prompts[0], lp))
     outs = await call.collect(streams)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from dsv4_engine.disagg.base import DecodeSide, PdSide, PrefillSide, Transport
     from dsv4_engine.disagg.bootstrap import BootstrapServer
     from dsv4_engine.disagg.faults import FaultHooks
+    from dsv4_engine.server.prefix_peers import PrefixPeers
 
 log = logging.getLogger("dsv4.server")
 
@@ -84,12 +85,16 @@ class ServerContext:
         self._idle = asyncio.Event()
         self._idle.set()
         self.load_error: BaseException | None = None
+        # The layout fingerprint: PD's setup computes it, or the first prefix-cache file or peer
+        # that needs it (prefix_file.server_fingerprint).
+        self.fingerprint: dict[str, Any] | None = None
+        # --prefix-cache-peers: the servers whose caches this one fetches from (prefix_peers.py).
+        self.peers: PrefixPeers | None = None
         # PD (server/pd.py sets these up): the role's half of the protocol (one of the two, by
-        # --disaggregation-mode), the layout fingerprint, the transport, the prefill's bootstrap
-        # endpoint, and the fault hooks (DSV4_TEST_HOOKS=1 only).
+        # --disaggregation-mode), the transport, the prefill's bootstrap endpoint, and the fault
+        # hooks (DSV4_TEST_HOOKS=1 only).
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
-        self.fingerprint: dict[str, Any] | None = None
         self.transport: Transport | None = None
         self.bootstrap_server: BootstrapServer | None = None
         self.faults: FaultHooks | None = None
