@@ -154,19 +154,21 @@ class Call:
         """Hand every sequence (n per prompt, prompt-major) to the engine, or on a PD server to its
         half of the protocol; one stream of pieces and an outcome per sequence. With
         --prefix-cache-peers, first fetch what a peer's cache holds of each prompt beyond this
-        server's; the request is in flight meanwhile, so a drain waits for it."""
+        server's (the request is in flight meanwhile, so a drain waits for it) and queue its import
+        just ahead of the sequences."""
         ctx = self.ctx
         targets = pd.targets(ctx, req, len(seqs) // n, n)
         admitted = None
         if ctx.peers is not None:
             admitted = admit(ctx, len(seqs), targets)
             try:
-                await ctx.peers.fill(seqs[::n])
+                records = await ctx.peers.fetch(seqs[::n])
             except BaseException:  # cancelled: the client left before its request started
                 admitted()
                 if targets:
                     pd.abort_rooms(ctx, targets, "cancelled", "the request ended before it started")
                 raise
+            ctx.peers.cache(records)  # ahead of the sequences, with no await between
         self.lease = start_all(
             ctx, seqs, params, arrival=self.arrival, observe=self.metrics, targets=targets, admitted=admitted
         )

@@ -23,6 +23,7 @@ Requests for the same prefix share one fetch.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ipaddress
 import logging
 import socket
@@ -34,6 +35,7 @@ import httpx
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsv4_engine.memory.prefix_store import PrefixRecord
 from dsv4_engine.server.errors import ApiError, bad_request, unavailable
 from dsv4_engine.server.prefix_file import pack, server_fingerprint, unpack
 from dsv4_engine.server.state import Phase, ServerContext
@@ -115,42 +117,65 @@ class PrefixPeers:
         self._resolved, self._resolved_at = list(dict.fromkeys(found)), now
         return self._resolved
 
-    async def fill(self, prompts: list[list[int]]) -> None:
-        """Before the prompts start: fetch what a peer can resume further than this server. Never
-        raises (but cancellation); bounded by the timeout."""
+    async def fetch(self, prompts: list[list[int]]) -> list[PrefixRecord]:
+        """Before the prompts start: the records of what peers' caches resume further than this
+        server's (`cache` them next). Never raises (but cancellation); bounded by the timeout."""
         try:
             async with asyncio.timeout(self.timeout):
-                await asyncio.gather(*(self._fill(p) for p in prompts))
+                found = await asyncio.gather(*(self._fetch_for(p) for p in prompts))
         except TimeoutError:
             self.ctx.metrics.peer_fetches.labels("failed").inc()
             log.warning("prefix cache peers: no answer in %.1fs; prefilling without", self.timeout)
+            return []
         except Exception:  # a fetch only saves work: whatever went wrong, the request prefills here
             self.ctx.metrics.peer_fetches.labels("failed").inc()
             log.exception("prefix cache peers: fetch failed; prefilling without")
+            return []
+        return [rec for records in found for rec in records]
 
-    async def _fill(self, prompt: list[int]) -> None:
+    def cache(self, records: list[PrefixRecord]) -> None:
+        """Queue the records' import on the engine thread, evicting if it must. The engine applies
+        queued commands in order between two steps, so a request added right after this finds them
+        cached in the same gap (awaiting the import first would cost it a step)."""
+        bridge = self.ctx.bridge
+        if not records or bridge is None:
+            return
+        metrics = self.ctx.metrics
+
+        def done(future: concurrent.futures.Future[int]) -> None:  # on the engine thread
+            try:
+                count = future.result()
+            except Exception as exc:  # the engine died; a record this layout refuses
+                log.warning("prefix cache peers: fetched prefixes not cached: %s", exc)
+                return
+            metrics.peer_tokens.inc(sum(len(r.tokens) - r.base for r in records[:count]))
+
+        bridge.call(lambda engine: engine.import_prefix_cache(records, evict=True)).add_done_callback(done)
+
+    async def _fetch_for(self, prompt: list[int]) -> list[PrefixRecord]:
         ctx, engine = self.ctx, self.ctx.engine
         page = engine.layout.page_size
         have = engine.resumable_length(prompt)
         if len(prompt) - have < page or self._client is None:
-            return
+            return []
         peers = await self.peers()
         if not peers:
-            return
+            return []
         aligned = prompt[: len(prompt) // page * page]  # a cache resumes at page boundaries only
         lengths = await asyncio.gather(*(self._lookup(url, aligned) for url in peers))
         best, url = max(zip(lengths, peers, strict=True))
         if best <= have:
             ctx.metrics.peer_fetches.labels("none").inc()
-            return
+            return []
         key = tuple(prompt[:best])
         task = self._fetches.get(key)
         if task is None:
             task = self._fetches[key] = asyncio.create_task(self._fetch(url, prompt[:best], have))
             task.add_done_callback(lambda _: self._fetches.pop(key, None))
         # Shielded: another request may wait on the same fetch when this one's client leaves.
-        got = await asyncio.shield(task)
-        ctx.metrics.peer_fetches.labels("fetched" if got else "failed").inc()
+        records = await asyncio.shield(task)
+        ctx.metrics.peer_fetches.labels("fetched" if records else "failed").inc()
+        return records
 
     async def _lookup(self, url: str, prompt: list[int]) -> int:
         assert self._client is not None
@@ -162,34 +187,26 @@ class PrefixPeers:
             log.warning("prefix cache peers: %s: lookup failed: %r", url, exc)
             return 0
 
-    async def _fetch(self, url: str, tokens: list[int], base: int) -> int:
-        """Fetch the prefix of tokens that the peer at url resumes at, with its pages from base on, and
-        cache it; returns the prompt tokens it adds (0: the peer no longer had it, or failed)."""
-        assert self._client is not None and self.ctx.bridge is not None
+    async def _fetch(self, url: str, tokens: list[int], base: int) -> list[PrefixRecord]:
+        """The record of the prefix of tokens that the peer at url resumes at, with its pages from base
+        on ([]: the peer no longer had it, or failed)."""
+        assert self._client is not None and self.fingerprint is not None
         body = {"input_ids": tokens, "base": base, "fingerprint": self.fingerprint}
+        started = time.monotonic()
         try:
             r = await self._client.post(f"{url}/prefix_cache/fetch", json=body)
             if r.status_code == 204:  # evicted there since the lookup
-                return 0
+                return []
             r.raise_for_status()
-            assert self.fingerprint is not None
             records = unpack(r.content, self.fingerprint)
         except (httpx.HTTPError, ValueError) as exc:
             log.warning("prefix cache peers: %s: fetch failed: %r", url, exc)
-            return 0
-        started = time.monotonic()
-        try:
-            done = await self.ctx.bridge.run(lambda engine: engine.import_prefix_cache(records, evict=True))
-        except (RuntimeError, ValueError) as exc:  # the engine died; a record this layout refuses
-            log.warning("prefix cache peers: %s: not cached: %s", url, exc)
-            return 0
-        added = sum(len(r.tokens) - r.base for r in records[:done])
-        self.ctx.metrics.peer_tokens.inc(added)
+            return []
         log.info(
-            "prefix cache peers: fetched %d tokens (%d to %d) from %s, %d bytes, cached in %.3fs",
-            added, base, len(tokens), url, len(r.content), time.monotonic() - started,
+            "prefix cache peers: fetched tokens %d to %d from %s, %d bytes in %.3fs",
+            base, len(tokens), url, len(r.content), time.monotonic() - started,
         )  # fmt: skip
-        return added
+        return records
 
 
 # ---- the routes peers call ----------------------------------------------------------------------
