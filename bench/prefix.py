@@ -7,14 +7,18 @@
 Part 1, engine: two `dsv4 serve` on the same checkpoint with the same engine settings (those of
 examples/cpu-tiny.yaml, which `dsv4 up` uses in part 2), one of them with `--disable-radix-cache`, both up
 for the whole part and measured in turn (the order alternates per repeat, which damps load drift on a
-shared machine). Two workloads, every request a streamed /v1/chat/completions with greedy sampling,
+shared machine). Three workloads, every request a streamed /v1/chat/completions with greedy sampling,
 `ignore_eos` and `--max-tokens` tokens, at most `--concurrency` requests in flight:
 - chat: `--chat-users` users, each `--turns` turns; a turn sends the whole history (its earlier user
   messages and the assistant's replies as streamed back) plus a new user message of about
   `--turn-tokens` tokens of text;
 - shared: `--shared-users` users, one request each: one system prompt of `--system-tokens` tokens (the
   same for every user), then a user message of its own: `--user-tokens` tokens of text and a question
-  (by default the system prompt is ~90% of each prompt, the issue's setting; 0: the question only).
+  (by default the system prompt is ~90% of each prompt, the issue's setting; 0: the question only);
+- shared-1: the shared workload with a system prompt of its own, one request at a time. At 4 in
+  flight a closed loop's requests arrive together, a few ms apart: the first starts a step alone and
+  the others wait for it, so TTFT there is the cache's gain plus queueing; one at a time it is the
+  cache's gain alone.
 The text is Python's help topics (`pydoc_data.topics`, which the demo model was trained on), cut by the
 checkpoint's tokenizer to the token counts asked for; every repeat starts its prompts with its own tag, so
 a repeat finds nothing cached by the one before it (and the untimed warm-up shares nothing with them).
@@ -23,7 +27,8 @@ usage: prompt_tokens and `prompt_tokens_details.cached_tokens` where the server 
 requests/s and output tokens/s over the run's wall time, and the server's /metrics prefix-cache counters
 before and after (`vllm:prefix_cache_{queries,hits}_total`, else dsv4's own series of
 engine.metrics()['prefix_cache_queries'/'prefix_cache_hits']). Hit rate = cached / prompt tokens, from
-each source. Target (shared workload, ~90% of each prompt shared): TTFT p50 off / on >= 5x.
+each source. Target (shared workloads, ~90% of each prompt shared): TTFT p50 off / on >= 5x, reported
+for both.
 
 Part 2, cluster: `dsv4 up` on examples/cpu-tiny.yaml with this checkpoint, the router's prefill policy
 `--router-policy` (default cache_aware, sglang-router 0.3.2's), once with 1 prefill server and once with
@@ -82,6 +87,8 @@ SPEC = ROOT / "examples" / "cpu-tiny.yaml"
 TTFT_TARGET = 5.0  # shared workload: TTFT p50 cache off / on
 HIT_POINTS_TARGET = 10.0  # cluster: 2-prefill hit rate within this many points of 1-prefill's
 WORKLOADS = ("chat", "shared")
+SERIAL = "shared-1"  # part 1 only: the shared workload again, one request at a time (no queueing)
+ENGINE_WORKLOADS = (*WORKLOADS, SERIAL)
 QUESTIONS = ("What is {}?", "Tell me about {}.", "Explain {}.", "How does {} work in Python?")
 # The prefix-cache counters on /metrics, the first present wins: vLLM's, then dsv4's (a counter, or the
 # engine.metrics() gauge of the same count).
@@ -371,7 +378,7 @@ async def run_workload(
     """chat: `turns` of each user's (default all), on `histories` (default empty; extended in place)."""
     part, config, rep = labels
     histories = histories if histories is not None else [[] for _ in wl.turns]
-    sem = asyncio.Semaphore(a.concurrency)
+    sem = asyncio.Semaphore(1 if kind == SERIAL else a.concurrency)
     results: list[Result] = []
     limits = httpx.Limits(max_connections=a.concurrency + 4)
     timeout = httpx.Timeout(a.request_timeout, connect=10)
@@ -400,7 +407,7 @@ async def run_workload(
                     return  # the history cannot go on without this reply
                 history.append({"role": "assistant", "content": res.reply})
 
-        if kind == "shared":
+        if kind in ("shared", SERIAL):
             await asyncio.gather(*(shared_user(u) for u in range(len(wl.questions))))
         else:
             await asyncio.gather(*(chat_user(u) for u in range(len(wl.turns))))
@@ -525,17 +532,19 @@ def engine_table(by: dict[str, dict[str, Figures]], wl: Workload, a: argparse.Na
         row("workload: measure", "cache on", "cache off", "off / on", "target"),
         "|---|---:|---:|---:|---:|",
     ]
-    for kind in WORKLOADS:
+    for kind in ENGINE_WORKLOADS:
         on, off = by[kind]["on"], by[kind]["off"]
         mean_prompt = on.prompt_tokens / max(1, on.requests - on.failed)
-        if kind == "shared":
+        if kind == SERIAL:
+            desc = "the same, one request at a time (TTFT without queueing behind other requests' steps)"
+        elif kind == "shared":
             desc = f"{a.shared_users} users x 1, system prompt {wl.system_tokens} of {mean_prompt:.0f} tokens"
             desc += f" ({wl.system_tokens / mean_prompt:.0%} shared)" if mean_prompt else ""
         else:
             desc = f"{a.chat_users} users x {a.turns} turns, mean prompt {mean_prompt:.0f} tokens"
         lines.append(row(f"**{kind}**: {desc}", "", "", "", ""))
         ok = on.ttft_p50 and off.ttft_p50 / on.ttft_p50 >= TTFT_TARGET
-        target = f">= {TTFT_TARGET:g}x {verdict(bool(ok))}" if kind == "shared" else ""
+        target = f">= {TTFT_TARGET:g}x {verdict(bool(ok))}" if kind != "chat" else ""
         lines += [
             row(
                 f"{kind}: TTFT p50",
@@ -686,8 +695,9 @@ def plot(path: Path, runs: Sequence[Run]) -> None:
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
-    fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(5 * len(WORKLOADS), 4), squeeze=False, sharey=True)
-    for ax, kind in zip(axes[0], WORKLOADS, strict=True):
+    kinds = ENGINE_WORKLOADS
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False, sharey=True)
+    for ax, kind in zip(axes[0], kinds, strict=True):
         for config, color in (("on", "tab:blue"), ("off", "tab:orange")):
             xs = sorted(
                 r.ttft * 1000
@@ -766,11 +776,13 @@ def engine_part(a: argparse.Namespace, text: Text, procs: Procs, flags: list[str
     runs: list[Run] = []
     for rep in range(a.repeat):
         wl = make_workload(text, a, f"e{rep}")
-        for kind in WORKLOADS:
+        serial = make_workload(text, a, f"e{rep}-1")  # its own system prompt: nothing cached before
+        for kind in ENGINE_WORKLOADS:
             for config in ("on", "off")[:: 1 if rep % 2 == 0 else -1]:
                 print(f"engine, repeat {rep + 1}/{a.repeat}: {kind}, cache {config} ...", flush=True)
+                load = serial if kind == SERIAL else wl
                 runs.append(
-                    measure(urls[config], {config: urls[config]}, wl, kind, a, ("engine", config, rep))
+                    measure(urls[config], {config: urls[config]}, load, kind, a, ("engine", config, rep))
                 )
     procs.stop(on)
     procs.stop(off)
@@ -875,9 +887,11 @@ def restart_table(r: Restart, a: argparse.Namespace) -> list[str]:
     ]
 
 
-def by_config(runs: Sequence[Run], part: str) -> dict[str, dict[str, Figures]]:
+def by_config(
+    runs: Sequence[Run], part: str, kinds: Sequence[str] = WORKLOADS
+) -> dict[str, dict[str, Figures]]:
     out: dict[str, dict[str, Figures]] = {}
-    for kind in WORKLOADS:
+    for kind in kinds:
         configs = sorted({r.config for r in runs if r.part == part and r.workload == kind})
         out[kind] = {
             c: figures([r for r in runs if r.part == part and r.workload == kind and r.config == c])
@@ -923,7 +937,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if "engine" in a.parts:
         print(f"\npart 1, engine: dsv4 serve with the prefix cache on and off, {a.repeat} repeat(s) each\n")
-        print("\n".join(engine_table(by_config(runs, "engine"), wl, a)))
+        print("\n".join(engine_table(by_config(runs, "engine", ENGINE_WORKLOADS), wl, a)))
         plot(a.out_dir / "ttft.png", runs)
     if "cluster" in a.parts:
         print(
