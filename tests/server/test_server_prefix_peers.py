@@ -162,3 +162,19 @@ async def test_a_server_leaves_itself_out_of_its_peers(settings_factory: Any) ->
     got = await peers.peers()
     assert "http://127.0.0.1:31001" in got and "http://10.255.255.1:31000" in got
     assert "http://127.0.0.1:31000" not in got and all(not u.endswith(":31000") or "10.255" in u for u in got)
+
+
+def test_the_flags_refuse_what_cannot_work(capsys: pytest.CaptureFixture[str]) -> None:
+    """A peer list needs the cache, and base URLs of plain-HTTP servers; each refusal names why."""
+    from dsv4_engine.server.args import parse
+
+    got = parse(["--model", "m", "--prefix-cache-peers", "http://a:1, http://b:2/"])
+    assert got.prefix_cache_peers == ["http://a:1", "http://b:2"] and got.prefix_cache_peer_timeout == 2.0
+    for argv, why in (
+        (["--prefix-cache-peers", "http://a:1", "--disable-radix-cache"], "needs the prefix cache"),
+        (["--prefix-cache-peers", "https://a:1"], "expected base URLs"),
+        (["--prefix-cache-peers", "http://a:1/v1"], "expected base URLs"),
+    ):
+        with pytest.raises(SystemExit):
+            parse(["--model", "m", *argv])
+        assert why in capsys.readouterr().err

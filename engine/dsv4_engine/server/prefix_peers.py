@@ -9,9 +9,10 @@ first asks the others how far their caches could resume the prompt (`POST /prefi
 answered from the cache's hash index without waiting for the engine: `PrefixCache.resumable_length`),
 then fetches the pages it lacks from the one that could resume furthest (`POST /prefix_cache/fetch`:
 read between two of that server's steps, as a prefix-cache file's record, behind the layout
-fingerprint: prefix_file.pack) and caches them between two of its own steps (evicting its least
-recently used prefixes if it must). The request then resumes there as from its own cache, with
-identical state: a record is what a request resuming at its end reads.
+fingerprint: prefix_file.pack) and caches them just ahead of the request, in the same gap between
+two of its own steps (evicting its least recently used prefixes if it must). The request then
+resumes there as from its own cache, with identical state: a record is what a request resuming at
+its end reads.
 
 A URL whose host resolves to several addresses means all of them (a role's headless Service: every
 ready pod), resolved again every RESOLVE_SECONDS; this server's own address and port is left out, so
@@ -82,7 +83,7 @@ class PrefixPeers:
         self._client: httpx.AsyncClient | None = None
         self._resolved: list[str] = []
         self._resolved_at = -RESOLVE_SECONDS
-        self._fetches: dict[tuple[int, ...], asyncio.Task[int]] = {}  # by the prefix fetched
+        self._fetches: dict[tuple[int, ...], asyncio.Task[list[PrefixRecord]]] = {}  # by the prefix fetched
 
     async def start(self) -> None:
         """Once the engine is loaded: the fingerprint peers' records must match, and the client."""
