@@ -251,6 +251,13 @@ def write_pages(kv: Dsv4TokenToKVPool, writes: PageWrites) -> None:
             b.index_copy_(0, ids.to(b.device), d.to(b.device, b.dtype))
 
 
+def _fits_free(alloc: Dsv4Allocator, spec: ExtendSpec) -> bool:
+    """Whether the step fits in free pages and a free snapshot slot, evicting nothing."""
+    need, free = alloc.pages_needed([spec]), alloc.num_free()
+    slots = alloc.snapshot_slots
+    return all(need[f] <= free[f] for f in need) and not (slots.num_pages and not slots.num_free)
+
+
 def import_prefixes(
     alloc: Dsv4Allocator,
     kv: Dsv4TokenToKVPool,
@@ -286,14 +293,10 @@ def import_prefixes(
                 continue
             apply_copies()
             spec = ExtendSpec(row, hit, n)
-            if evict:
-                if not alloc.can_alloc([spec]):
-                    break  # running requests hold the pages (the cache takes a snapshot slot itself)
-            else:
-                need, free = alloc.pages_needed([spec]), alloc.num_free()
-                slots = alloc.snapshot_slots
-                if any(need[f] > free[f] for f in need) or (slots.num_pages and not slots.num_free):
-                    break  # no room without evicting what came before
+            # Evicting, only running requests' pages are out of reach (the cache takes a snapshot slot
+            # itself); otherwise there is no room without evicting what came before.
+            if not (alloc.can_alloc([spec]) if evict else _fits_free(alloc, spec)):
+                break
             alloc.alloc_extend([spec])
             writes: PageWrites = {}
             for state_type, entries in _entries(kv, alloc, row, n).items():

@@ -110,10 +110,10 @@ def opened(path: Path, fingerprint: dict[str, Any]) -> Iterator[tuple[int, Itera
         diff = fingerprint_diff(fingerprint, theirs)
         if diff is not None:
             raise ValueError(f"{path} was written by a server of another layout: {diff}")
-        yield len(index), (_record(f.get_tensor, i, entry) for i, entry in enumerate(index))
+        yield len(index), (_decode(f.get_tensor, i, entry) for i, entry in enumerate(index))
 
 
-def _record(get: Callable[[str], torch.Tensor], i: int, entry: dict[str, Any]) -> PrefixRecord:
+def _decode(get: Callable[[str], torch.Tensor], i: int, entry: dict[str, Any]) -> PrefixRecord:
     """Record i of a file or packed blob (`contents`' names; `get` reads a tensor by name)."""
     pages = {
         StateType[name]: [get(f"{i}.{name}.{b}") for b in range(count)]
@@ -148,7 +148,7 @@ def unpack(blob: bytes, fingerprint: dict[str, Any]) -> list[PrefixRecord]:
     if diff is not None:
         raise ValueError(f"records of a server of another layout: {diff}")
     try:
-        return [_record(tensors.__getitem__, i, entry) for i, entry in enumerate(index)]
+        return [_decode(tensors.__getitem__, i, entry) for i, entry in enumerate(index)]
     except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"damaged prefix-cache records: {exc!r}") from exc
 

@@ -37,9 +37,9 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsv4_engine.memory.prefix_store import PrefixRecord
-from dsv4_engine.server.errors import ApiError, bad_request, unavailable
+from dsv4_engine.server.errors import ApiError, bad_request
 from dsv4_engine.server.prefix_file import pack, server_fingerprint, unpack
-from dsv4_engine.server.state import Phase, ServerContext
+from dsv4_engine.server.state import ServerContext
 
 log = logging.getLogger("dsv4.server")
 
@@ -79,15 +79,15 @@ class PrefixPeers:
 
     def __init__(self, ctx: ServerContext, urls: list[str], timeout: float) -> None:
         self.ctx, self.urls, self.timeout = ctx, urls, timeout
-        self.fingerprint: dict[str, Any] | None = None
         self._client: httpx.AsyncClient | None = None
         self._resolved: list[str] = []
         self._resolved_at = -RESOLVE_SECONDS
         self._fetches: dict[tuple[int, ...], asyncio.Task[list[PrefixRecord]]] = {}  # by the prefix fetched
 
     async def start(self) -> None:
-        """Once the engine is loaded: the fingerprint peers' records must match, and the client."""
-        self.fingerprint = await server_fingerprint(self.ctx)
+        """Once the engine is loaded: the fingerprint peers' records must match (on the context), and
+        the client."""
+        await server_fingerprint(self.ctx)
         key = self.ctx.settings.api_key  # peers run with the same settings: the same key, if any
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._client = httpx.AsyncClient(headers=headers, timeout=self.timeout)
@@ -191,15 +191,16 @@ class PrefixPeers:
     async def _fetch(self, url: str, tokens: list[int], base: int) -> list[PrefixRecord]:
         """The record of the prefix of tokens that the peer at url resumes at, with its pages from base
         on ([]: the peer no longer had it, or failed)."""
-        assert self._client is not None and self.fingerprint is not None
-        body = {"input_ids": tokens, "base": base, "fingerprint": self.fingerprint}
+        fingerprint = self.ctx.fingerprint
+        assert self._client is not None and fingerprint is not None
+        body = {"input_ids": tokens, "base": base, "fingerprint": fingerprint}
         started = time.monotonic()
         try:
             r = await self._client.post(f"{url}/prefix_cache/fetch", json=body)
             if r.status_code == 204:  # evicted there since the lookup
                 return []
             r.raise_for_status()
-            records = unpack(r.content, self.fingerprint)
+            records = unpack(r.content, fingerprint)
         except (httpx.HTTPError, ValueError) as exc:
             log.warning("prefix cache peers: %s: fetch failed: %r", url, exc)
             return []
@@ -216,8 +217,7 @@ router = APIRouter()
 
 def _ready(request: Request) -> ServerContext:
     ctx: ServerContext = request.app.state.ctx
-    if ctx.phase != Phase.READY:
-        raise unavailable(f"server is {ctx.phase.value}", code=f"server_{ctx.phase.value}")
+    ctx.require_ready()
     return ctx
 
 
@@ -246,12 +246,8 @@ async def fetch(request: Request, body: FetchBody) -> Response:
         raise ApiError(
             409, f"this server's layout differs: {diff}", param="fingerprint", code="layout_mismatch"
         )
-    assert ctx.bridge is not None
     ids, base = body.input_ids, body.base
-    try:
-        record = await ctx.bridge.run(lambda engine: engine.export_prefix(ids, base))  # between steps
-    except RuntimeError as exc:  # the bridge's "engine is dead"
-        raise unavailable("the engine failed; the server must be restarted", retry_after=5) from exc
+    record = await ctx.run_engine(lambda engine: engine.export_prefix(ids, base))
     if record is None:
         return Response(status_code=204)
     blob = await asyncio.to_thread(pack, [record], mine)

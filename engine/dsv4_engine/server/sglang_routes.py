@@ -33,7 +33,7 @@ from dsv4_engine.server.generation import (
 from dsv4_engine.server.logprobs import sglang_logprobs, token_text
 from dsv4_engine.server.native_protocol import GenerateRequest
 from dsv4_engine.server.prompts import encode_prompt
-from dsv4_engine.server.state import Phase, ServerContext
+from dsv4_engine.server.state import ServerContext
 from dsv4_engine.server.streaming import merge, sse
 
 router = APIRouter()
@@ -129,15 +129,8 @@ async def get_load(request: Request) -> list[dict[str, Any]]:
 async def flush_cache(request: Request) -> PlainTextResponse:
     """Empty the engine's prefix cache (pages running requests hold stay theirs)."""
     ctx = context(request)
-    if ctx.phase != Phase.READY:
-        raise unavailable(f"server is {ctx.phase.value}", code=f"server_{ctx.phase.value}")
-    assert ctx.bridge is not None
-    try:
-        await ctx.bridge.run(lambda engine: engine.flush_cache())  # on the engine thread, between steps
-    except RuntimeError as exc:  # the bridge's "engine is dead"
-        if ctx.bridge.dead is None:
-            raise
-        raise unavailable("the engine failed; the server must be restarted", retry_after=5) from exc
+    ctx.require_ready()
+    await ctx.run_engine(lambda engine: engine.flush_cache())
     return PlainTextResponse("Cache flushed.\n")
 
 
@@ -145,8 +138,7 @@ async def flush_cache(request: Request) -> PlainTextResponse:
 async def health_generate(request: Request) -> Response:
     """200 once one token went through the engine; 503 when not serving or the engine is stuck."""
     ctx = context(request)
-    if ctx.phase != Phase.READY:
-        raise unavailable(f"server is {ctx.phase.value}", code=f"server_{ctx.phase.value}")
+    ctx.require_ready()
     arrival = time.monotonic()
     ids = [ctx.facts.eos_token_ids[0] if ctx.facts and ctx.facts.eos_token_ids else 0]
     spec = GenSpec(temperature=0.0)

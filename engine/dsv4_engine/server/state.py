@@ -176,6 +176,23 @@ class ServerContext:
                 code="queue_full",
             )
 
+    def require_ready(self) -> None:
+        """Raise the 503 of a server that is not serving (loading, draining, stopped or dead), for
+        the routes that use the engine without admitting a request."""
+        if self.phase != Phase.READY:
+            raise unavailable(f"server is {self.phase.value}", code=f"server_{self.phase.value}")
+
+    async def run_engine(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(engine) on the engine thread between steps, on a ready server; a dead engine is the
+        client's 503."""
+        assert self.bridge is not None
+        try:
+            return await self.bridge.run(fn)
+        except RuntimeError as exc:  # the bridge's "engine is dead", or fn's own error
+            if self.bridge.dead is None:
+                raise
+            raise unavailable("the engine failed; the server must be restarted", retry_after=5) from exc
+
     def require_model(self, name: str | None) -> None:
         # sglang-router fills in "unknown" when the client sent no model: that means "the default".
         if name is not None and name != self.model_name and name != ROUTER_DEFAULT_MODEL:
